@@ -1,0 +1,48 @@
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run on the H200: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vitgraph_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vitgraph", *args]
+
+
+def tiny_overrides(run_dir, steps=20, **extra) -> list[str]:
+    """A seconds-long CPU run: small data, no TensorBoard, no progress bar."""
+    base = {"train.steps": steps, "train.log_every": 5, "train.eval_every": 0,
+            "train.eval_batch_size": 100, "data.num_train": 512, "data.num_val": 200,
+            "train.tensorboard": "false", "train.progress": "false", "run.dir": str(run_dir),
+            "model.spec": "torch"}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONWARNINGS"] = "ignore"
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    return e

@@ -1,0 +1,341 @@
+"""Data: the shapes generator, ImageFolder, the microbatch loader and the batch transform."""
+
+import os
+import re
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitgraph.data import (DataError, ImageDataset, MicrobatchLoader, build_datasets,
+                           iterate_eval, to_model_input)
+from vitgraph.data import shapes
+
+
+def shapes_cfg(**kw):
+    base = dict(kind="shapes", path=None, num_train=256, num_val=128, render_size=32,
+                num_classes=10, cache_dir=None, workers=1)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return build_datasets(shapes_cfg(num_train=1200, num_val=300), seed=0)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_shapes_basic(small):
+    train, val = small
+    assert len(shapes.CLASSES) >= 10
+    for ds, n in ((train, 1200), (val, 300)):
+        assert isinstance(ds, ImageDataset)
+        assert ds.images.dtype == torch.uint8 and ds.images.shape == (n, 32, 32, 3)
+        assert ds.labels.dtype == torch.int64 and ds.labels.shape == (n,)
+        assert ds.classes == shapes.CLASSES[:10]
+        assert int(ds.labels.min()) == 0 and int(ds.labels.max()) == 9
+        assert torch.bincount(ds.labels, minlength=10).min() >= n // 10  # balanced
+        assert len(ds.captions) == n
+        for cap, label in zip(ds.captions, ds.labels.tolist()):
+            assert f" {ds.classes[label]} on a " in cap
+    # images are not trivially constant
+    assert train.images.float().std() > 30
+
+
+def test_shapes_deterministic_and_worker_independent():
+    # CHUNK-sized pieces are seeded separately; 1200 images = 3 chunks across 2 workers
+    a = shapes.generate(1200, split_seed=7, workers=1)
+    b = shapes.generate(1200, split_seed=7, workers=2)
+    assert a[0].tobytes() == b[0].tobytes()
+    assert np.array_equal(a[1], b[1]) and a[2] == b[2]
+    c = shapes.generate(1200, split_seed=8, workers=1)
+    assert a[0].tobytes() != c[0].tobytes()
+
+
+def test_shapes_splits_differ_and_seed_matters(small):
+    train, val = small
+    assert shapes.split_seed(0, "train") != shapes.split_seed(0, "val")
+    # no held-out image equals a training image
+    train_set = {bytes(x) for x in train.images.numpy().reshape(len(train), -1)}
+    assert not any(bytes(x) in train_set for x in val.images.numpy().reshape(len(val), -1))
+    again, _ = build_datasets(shapes_cfg(num_train=1200, num_val=300), seed=0)
+    assert torch.equal(again.images, train.images) and again.captions == train.captions
+    other, _ = build_datasets(shapes_cfg(num_train=1200, num_val=300), seed=1)
+    assert not torch.equal(other.images, train.images)
+
+
+def test_num_classes_subset_and_limit():
+    tr, _ = build_datasets(shapes_cfg(num_classes=4, num_train=64, num_val=16), seed=0)
+    assert tr.classes == shapes.CLASSES[:4] and int(tr.labels.max()) == 3
+    with pytest.raises(DataError):
+        build_datasets(shapes_cfg(num_classes=len(shapes.CLASSES) + 1), seed=0)
+
+
+def _nearest_centroid_acc(x_tr, y_tr, x_te, y_te, k):
+    cent = torch.stack([x_tr[y_tr == c].mean(0) for c in range(k)])
+    return (torch.cdist(x_te, cent).argmin(1) == y_te).float().mean().item()
+
+
+def test_colour_does_not_decide_the_class(small):
+    """Colour statistics alone stay near chance, while a crude shape statistic does not.
+
+    Features: a 4x4x4 colour histogram (which pixels colours occur, and how often) and the
+    mean colour. A nearest-centroid classifier on them must stay near 10% held-out.
+    Control: the same classifier on the centered, sorted 'is this pixel foreground' profile
+    (a colour-free view of the shape) must do clearly better, so the test would notice
+    a leak that tied colour to class rather than just a hard task.
+    """
+    train, val = small
+
+    def colour_feats(ds):
+        q = (ds.images.long() // 64).view(len(ds), -1, 3)
+        idx = q[..., 0] * 16 + q[..., 1] * 4 + q[..., 2]
+        hist = torch.zeros(len(ds), 64).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float))
+        mean = ds.images.float().mean((1, 2)) / 255
+        return torch.cat([hist / idx.shape[1], mean], 1)
+
+    acc = _nearest_centroid_acc(colour_feats(train), train.labels, colour_feats(val),
+                                val.labels, 10)
+    assert acc < 0.22, f"colour features predict the shape: {acc:.0%}"
+
+    def shape_feats(ds):
+        # distance of each pixel from the background colour (estimated from the corners)
+        x = ds.images.float()
+        corners = torch.stack([x[:, 0, 0], x[:, 0, -1], x[:, -1, 0], x[:, -1, -1]], 1)
+        bg = corners.median(1).values[:, None, None]
+        fgness = (x - bg).norm(dim=-1).view(len(ds), -1)
+        fgness = fgness / fgness.amax(1, keepdim=True).clamp_min(1)
+        # sorted profile: rotation and position invariant, colour free
+        return torch.sort(fgness, 1, descending=True).values[:, ::8]
+
+    control = _nearest_centroid_acc(shape_feats(train), train.labels, shape_feats(val),
+                                    val.labels, 10)
+    assert control > acc + 0.05, f"control {control:.0%} vs colour {acc:.0%}"
+
+
+def test_cache_round_trip(tmp_path):
+    cfg = shapes_cfg(num_train=96, num_val=32, cache_dir=str(tmp_path / "cache"))
+    tr1, va1 = build_datasets(cfg, seed=3)
+    files = sorted(os.listdir(tmp_path / "cache"))
+    assert len(files) == 2 and all(f.endswith(".npz") for f in files)
+    mtimes = [os.path.getmtime(tmp_path / "cache" / f) for f in files]
+    tr2, va2 = build_datasets(cfg, seed=3)
+    assert [os.path.getmtime(tmp_path / "cache" / f) for f in files] == mtimes  # read, not rewritten
+    for a, b in ((tr1, tr2), (va1, va2)):
+        assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+        assert a.captions == b.captions and a.classes == b.classes
+    uncached, _ = build_datasets(shapes_cfg(num_train=96, num_val=32), seed=3)
+    assert torch.equal(uncached.images, tr1.images)
+    # another parameter set gets another file
+    build_datasets(shapes_cfg(num_train=64, num_val=32, cache_dir=str(tmp_path / "cache")), 3)
+    assert len(os.listdir(tmp_path / "cache")) == 3
+
+
+# ---------------------------------------------------------------- ImageFolder
+
+
+def _write(path, size, colour, fmt):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path, fmt)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    root = tmp_path / "imgs"
+    _write(root / "train" / "dog" / "a.png", (40, 20), (255, 0, 0), "PNG")
+    _write(root / "train" / "dog" / "b.JPG", (20, 50), (0, 255, 0), "JPEG")
+    _write(root / "train" / "cat" / "c.jpeg", (16, 16), (0, 0, 255), "JPEG")
+    (root / "train" / "cat" / "notes.txt").write_text("not an image")
+    _write(root / "val" / "cat" / "d.png", (64, 64), (10, 20, 30), "PNG")
+    _write(root / "val" / "dog" / "e.png", (30, 30), (200, 200, 200), "PNG")
+    return root
+
+
+def folder_cfg(root, **kw):
+    base = dict(kind="imagefolder", path=str(root), num_train=0, num_val=0, render_size=8,
+                num_classes=2, cache_dir=None, workers=1)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_imagefolder(folder):
+    train, val = build_datasets(folder_cfg(folder), seed=0)
+    assert train.classes == ["cat", "dog"] and val.classes == ["cat", "dog"]
+    assert train.images.shape == (3, 8, 8, 3) and train.images.dtype == torch.uint8
+    assert train.labels.tolist() == [0, 1, 1]  # cat/c.jpeg, dog/a.png, dog/b.JPG
+    assert train.captions is None
+    assert train.images[1].view(-1, 3).float().mean(0).tolist() == pytest.approx([255, 0, 0], abs=1)
+    assert val.labels.tolist() == [0, 1]
+    assert val.images[0].view(-1, 3).float().mean(0).tolist() == pytest.approx([10, 20, 30], abs=1)
+
+
+def test_imagefolder_center_crop(tmp_path):
+    # 30x10: left third red, middle green, right blue -> shorter side 10 -> crop the middle
+    img = np.zeros((10, 30, 3), np.uint8)
+    img[:, :10, 0] = 255
+    img[:, 10:20, 1] = 255
+    img[:, 20:, 2] = 255
+    for split in ("train", "val"):
+        (tmp_path / split / "x").mkdir(parents=True)
+        Image.fromarray(img).save(tmp_path / split / "x" / "i.png")
+    train, _ = build_datasets(folder_cfg(tmp_path, render_size=10, num_classes=1), seed=0)
+    assert train.images.shape == (1, 10, 10, 3)
+    assert (train.images[0, :, :, 1] == 255).all() and (train.images[0, :, :, 0] == 0).all()
+
+
+def test_imagefolder_workers_match(folder):
+    for split in ("train", "val"):
+        for i in range(300):  # more than one decode chunk
+            _write(folder / split / "dog" / f"x{i:03d}.png", (12, 9), (i % 256, 7, 9), "PNG")
+    a, _ = build_datasets(folder_cfg(folder, workers=1), seed=0)
+    b, _ = build_datasets(folder_cfg(folder, workers=2), seed=0)
+    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+
+
+def test_imagefolder_errors(folder, tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(DataError, match=re.escape(str(missing))):
+        build_datasets(folder_cfg(missing), seed=0)
+    with pytest.raises(DataError, match=re.escape(str(folder / "train"))):
+        build_datasets(folder_cfg(folder, num_classes=3), seed=0)
+
+    (folder / "train" / "bird").mkdir()
+    with pytest.raises(DataError, match=re.escape(str(folder / "train" / "bird"))):
+        build_datasets(folder_cfg(folder, num_classes=3), seed=0)
+    (folder / "train" / "bird").rmdir()
+
+    bad = folder / "train" / "dog" / "zz.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not a png")
+    with pytest.raises(DataError, match=re.escape(str(bad))):
+        build_datasets(folder_cfg(folder), seed=0)
+    bad.unlink()
+
+    os.rename(folder / "val", folder / "valx")
+    with pytest.raises(DataError, match=re.escape(str(folder / "val"))):
+        build_datasets(folder_cfg(folder), seed=0)
+
+
+# ---------------------------------------------------------------- loader
+
+
+def toy(n=100, hw=2):
+    images = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
+    images = images.view(n, 1, 1, 1).expand(n, hw, hw, 3).contiguous()
+    return ImageDataset(images, torch.arange(n), ["x"], None)
+
+
+def ids(step):
+    return torch.cat([labels for _, labels in step]).tolist()
+
+
+def test_loader_shapes_and_epoch():
+    ds = toy(100)
+    ld = MicrobatchLoader(ds, micro_batch_size=4, num_microbatches=3, dp_rank=0, dp_size=2,
+                          seed=0)
+    assert ld.steps_per_epoch == 100 // 24
+    step = ld.next_step()
+    assert len(step) == 3
+    for images, labels in step:
+        assert images.shape == (4, 2, 2, 3) and images.dtype == torch.uint8
+        assert labels.shape == (4,) and labels.dtype == torch.int64
+        assert torch.equal(images[:, 0, 0, 0].long(), labels)  # images and labels stay paired
+
+
+def test_loader_dp_union_matches_single_rank():
+    ds = toy(200)
+    single = MicrobatchLoader(ds, 4, 4, 0, 1, seed=5)   # global batch 16
+    ranks = [MicrobatchLoader(ds, 4, 2, r, 2, seed=5) for r in range(2)]  # 4 x 2 x 2
+    quad = [MicrobatchLoader(ds, 2, 2, r, 4, seed=5) for r in range(4)]  # 2 x 2 x 4
+    for _ in range(single.steps_per_epoch + 3):  # across an epoch boundary
+        ref = ids(single.next_step())
+        assert sum((ids(ld.next_step()) for ld in ranks), []) == ref
+        assert sum((ids(ld.next_step()) for ld in quad), []) == ref
+        assert len(set(ref)) == 16
+
+
+def test_loader_epoch_covers_and_reshuffles():
+    ds = toy(64)
+    ld = MicrobatchLoader(ds, 8, 2, 0, 1, seed=1)
+    e0 = sum((ids(ld.next_step()) for _ in range(ld.steps_per_epoch)), [])
+    assert ld.epoch == 0 and sorted(e0) == list(range(64))
+    e1 = sum((ids(ld.next_step()) for _ in range(ld.steps_per_epoch)), [])
+    assert ld.epoch == 1 and sorted(e1) == list(range(64)) and e1 != e0
+    other = MicrobatchLoader(ds, 8, 2, 0, 1, seed=2)
+    assert ids(other.next_step()) != e0[:16]
+    plain = MicrobatchLoader(ds, 8, 2, 0, 1, seed=1, shuffle=False)
+    assert ids(plain.next_step()) == list(range(16))
+
+
+def test_loader_drop_last():
+    ds = toy(50)
+    dropped = MicrobatchLoader(ds, 4, 2, 0, 2, seed=0)  # G = 16
+    assert dropped.steps_per_epoch == 3
+    kept = [MicrobatchLoader(ds, 4, 2, r, 2, seed=0, drop_last=False) for r in range(2)]
+    assert kept[0].steps_per_epoch == 4
+    seen = []
+    for _ in range(4):
+        for ld in kept:
+            step = ld.next_step()
+            assert all(len(labels) == 4 for _, labels in step)  # shapes stay fixed
+            seen += ids(step)
+    assert set(seen) == set(range(50)) and kept[0].epoch == 0
+    with pytest.raises(DataError):
+        MicrobatchLoader(toy(10), 4, 2, 0, 2, seed=0)
+
+
+def test_loader_resume():
+    ds = toy(90)
+    ld = MicrobatchLoader(ds, 4, 2, 1, 2, seed=9)  # 5 steps per epoch
+    for _ in range(7):
+        ld.next_step()
+    sd = ld.state_dict()
+    assert sd == {"epoch": 1, "step_in_epoch": 2, "seed": 9}
+    expect = [ids(ld.next_step()) for _ in range(6)]
+    fresh = MicrobatchLoader(ds, 4, 2, 1, 2, seed=9)
+    fresh.load_state_dict(sd)
+    assert [ids(fresh.next_step()) for _ in range(6)] == expect
+    # at an epoch boundary too
+    at_end = MicrobatchLoader(ds, 4, 2, 1, 2, seed=9)
+    for _ in range(5):
+        at_end.next_step()
+    resumed = MicrobatchLoader(ds, 4, 2, 1, 2, seed=9)
+    resumed.load_state_dict(at_end.state_dict())
+    assert ids(resumed.next_step()) == ids(at_end.next_step())
+    with pytest.raises(ValueError):
+        MicrobatchLoader(ds, 4, 2, 1, 2, seed=10).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("n,batch,dp", [(100, 8, 1), (100, 8, 3), (7, 4, 4), (2, 5, 3)])
+def test_iterate_eval_covers_once(n, batch, dp):
+    ds = toy(n)
+    seen = []
+    for r in range(dp):
+        batches = list(iterate_eval(ds, batch, r, dp))
+        assert all(0 < len(labels) <= batch for _, labels in batches)
+        assert all(len(labels) == batch for _, labels in batches[:-1])
+        seen += [i for _, labels in batches for i in labels.tolist()]
+    assert sorted(seen) == list(range(n))
+    assert list(iterate_eval(ds, batch)) and ids(iterate_eval(ds, batch)) == list(range(n))
+
+
+# ---------------------------------------------------------------- transform
+
+
+def test_to_model_input():
+    x = torch.randint(0, 256, (5, 32, 32, 3), dtype=torch.uint8)
+    x[0] = 0
+    x[1] = 255
+    same = to_model_input(x, 32, "cpu", torch.float32)
+    assert same.shape == (5, 3, 32, 32) and same.dtype == torch.float32
+    assert same.min() >= -1 and same.max() <= 1
+    assert (same[0] == -1).all() and (same[1] == 1).all()
+    assert torch.allclose(same[2], x[2].permute(2, 0, 1).float() / 127.5 - 1)
+    up = to_model_input(x, 64, "cpu", torch.bfloat16)
+    assert up.shape == (5, 3, 64, 64) and up.dtype == torch.bfloat16
+    assert (up[1] == 1).all() and (up[0] == -1).all()
+    down = to_model_input(x, 16, "cpu", torch.float32)
+    assert down.shape == (5, 3, 16, 16) and down.min() >= -1 - 1e-5 and down.max() <= 1 + 1e-5

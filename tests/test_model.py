@@ -1,0 +1,80 @@
+"""The ViT on megatron-core with the torch spec, on CPU (single-process gloo world)."""
+import pytest
+import torch
+
+from vitgraph.config import load_config
+from vitgraph.models.registry import MODELS, get_arch, resolve_arch
+from vitgraph.models.vit import vit_param_count
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def dist1():
+    from vitgraph.parallel.setup import init_distributed, shutdown
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
+    d = init_distributed(cfg)
+    yield d
+    shutdown()
+
+
+def build(d, *over):
+    from vitgraph.parallel.setup import build_model
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
+    return build_model(cfg, d, 10), cfg
+
+
+def test_registry_names_and_aliases():
+    assert get_arch("vit_l16_224") == MODELS["vit_large_patch16_224"]
+    assert get_arch("vit_b16_224").hidden_size == 768
+    with pytest.raises(KeyError):
+        get_arch("vit_nope")
+    for name, a in MODELS.items():
+        assert f"patch{a.patch_size}" in name and name.endswith(str(a.image_size))
+
+
+def test_param_count_formula_matches_the_module(dist1):
+    model, cfg = build(dist1, "model.num_registers=2")
+    real = sum(p.numel() for p in model.parameters())
+    assert real == vit_param_count(resolve_arch(cfg.model), model.num_prefix, 10)
+
+
+def test_forward_shapes_and_te_compatible_names(dist1):
+    model, _ = build(dist1, "model.num_registers=4")
+    x = torch.randn(3, 3, 32, 32)
+    assert model(x).shape == (3, 10)
+    names = {n for n, _ in model.named_parameters()}
+    # TE's layer norms live inside the linears: the torch spec must use TE's names
+    for n in ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+              "decoder.layers.0.self_attention.linear_qkv.weight",
+              "decoder.layers.0.self_attention.linear_proj.bias",
+              "decoder.layers.0.mlp.linear_fc1.layer_norm_bias",
+              "decoder.layers.0.mlp.linear_fc2.weight", "registers", "cls_token", "pos_embed",
+              "final_norm.weight", "head.weight"):
+        assert n in names, n
+    assert model.pos_embed.shape[1] == 1 + 4 + 64
+
+
+def test_attention_is_bidirectional(dist1):
+    """A causal mask (megatron-core's local ViT spec) would hide later tokens from the class
+    token; here changing the last patch must change the class token's output."""
+    model, _ = build(dist1, "model.num_layers=1")
+    model.eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(model.head.weight)
+        x = torch.randn(1, 3, 32, 32)
+        y1 = model(x)
+        x[..., -4:, -4:] += 5.0  # only the last patch
+        y2 = model(x)
+    assert not torch.allclose(y1, y2)
+
+
+def test_other_image_size_interpolates_position_embeddings(dist1):
+    model, _ = build(dist1)
+    assert model(torch.randn(2, 3, 48, 48)).shape == (2, 10)
+
+
+def test_mean_pool_without_class_token(dist1):
+    model, _ = build(dist1, "model.class_token=false", "model.pool=mean")
+    assert model.num_prefix == 0
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)

@@ -1,0 +1,2 @@
+"""vitgraph: train vision encoders the Megatron way."""
+__version__ = "0.1.0"

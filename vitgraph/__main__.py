@@ -1,0 +1,3 @@
+from vitgraph.cli import main
+
+raise SystemExit(main())

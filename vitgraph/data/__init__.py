@@ -1,0 +1,29 @@
+"""Datasets and loaders: the embedded shapes task, ImageFolder, and the microbatch iterators.
+
+``build_datasets(data_cfg, seed)`` is the entry point; it returns (train, held-out)
+``ImageDataset``s, which ``MicrobatchLoader`` and ``iterate_eval`` slice into batches and
+``to_model_input`` turns into model inputs.
+"""
+
+from vitgraph.data.loader import (DataError, ImageDataset, MicrobatchLoader, iterate_eval,
+                                  to_model_input)
+from vitgraph.data.shapes import CLASSES as SHAPES_CLASSES
+
+
+def build_datasets(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
+    """(train, held-out) for ``data_cfg.kind`` ("shapes" | "imagefolder") and run seed ``seed``.
+
+    ``data_cfg`` is duck-typed: kind, path, num_train, num_val, render_size, num_classes,
+    cache_dir, workers.
+    """
+    if data_cfg.kind == "shapes":
+        from vitgraph.data.shapes import build_shapes
+        return build_shapes(data_cfg, seed)
+    if data_cfg.kind == "imagefolder":
+        from vitgraph.data.imagefolder import build_imagefolder
+        return build_imagefolder(data_cfg, seed)
+    raise DataError(f"unknown data.kind {data_cfg.kind!r} (expected 'shapes' or 'imagefolder')")
+
+
+__all__ = ["DataError", "ImageDataset", "MicrobatchLoader", "SHAPES_CLASSES", "build_datasets",
+           "iterate_eval", "to_model_input"]

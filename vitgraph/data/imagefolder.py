@@ -1,0 +1,104 @@
+"""ImageFolder reader: ``root/<split>/<class_name>/*.{jpg,jpeg,png}`` into memory.
+
+Classes are the sub-folders of ``root/train`` sorted by name; label = index in that list.
+Every image is decoded with PIL to RGB, its shorter side resized to ``render_size`` and
+center-cropped to a square, and the whole split is decoded up front (with ``workers``
+processes) into one uint8 array. That is fine for small and medium folders (50k images at
+64x64 are 600 MB); large datasets need a streaming reader, which this module is not.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitgraph.data.loader import DataError, ImageDataset
+
+EXTENSIONS = (".jpg", ".jpeg", ".png")
+
+
+def list_classes(split_dir: str) -> list[str]:
+    if not os.path.isdir(split_dir):
+        raise DataError(f"image folder split not found: {split_dir}")
+    classes = sorted(d for d in os.listdir(split_dir)
+                     if os.path.isdir(os.path.join(split_dir, d)) and not d.startswith("."))
+    if not classes:
+        raise DataError(f"no class folders in {split_dir}")
+    return classes
+
+
+def list_files(split_dir: str, classes: list[str]) -> tuple[list[str], list[int]]:
+    """Image paths and labels of one split, in (class, file name) order."""
+    class_dirs = list_classes(split_dir)
+    unknown = sorted(set(class_dirs) - set(classes))
+    if unknown:
+        raise DataError(f"class folders in {split_dir} not present in the train split: "
+                        f"{', '.join(unknown)}")
+    paths, labels = [], []
+    for name in class_dirs:
+        d = os.path.join(split_dir, name)
+        files = sorted(f for f in os.listdir(d)
+                       if f.lower().endswith(EXTENSIONS) and os.path.isfile(os.path.join(d, f)))
+        if not files:
+            raise DataError(f"no .jpg/.jpeg/.png images in class folder {d}")
+        paths += [os.path.join(d, f) for f in files]
+        labels += [classes.index(name)] * len(files)
+    return paths, labels
+
+
+def load_image(path: str, size: int) -> np.ndarray:
+    """Decode to RGB, resize the shorter side to ``size``, center-crop: uint8 [size, size, 3]."""
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            w, h = im.size
+            scale = size / min(w, h)
+            nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+            if (nw, nh) != (w, h):
+                im = im.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
+            left, top = (nw - size) // 2, (nh - size) // 2
+            im = im.crop((left, top, left + size, top + size))
+            return np.asarray(im, dtype=np.uint8)
+    except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, bomb errors...
+        raise DataError(f"cannot read image {path}: {e}") from None
+
+
+def _load_many(args):
+    paths, size = args
+    return np.stack([load_image(p, size) for p in paths])
+
+
+def read_split(root: str, split: str, classes: list[str], render_size: int,
+               workers: int = 1) -> ImageDataset:
+    paths, labels = list_files(os.path.join(root, split), classes)
+    chunk = 256
+    jobs = [(paths[i:i + chunk], render_size) for i in range(0, len(paths), chunk)]
+    if workers > 1 and len(jobs) > 1:
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(min(workers, len(jobs))) as pool:
+            parts = pool.map(_load_many, jobs, chunksize=1)
+    else:
+        parts = [_load_many(j) for j in jobs]
+    return ImageDataset(torch.from_numpy(np.concatenate(parts)),
+                        torch.tensor(labels, dtype=torch.int64), list(classes), None)
+
+
+def build_imagefolder(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
+    """(train, val) from ``data_cfg.path``; the folder decides the sizes (num_train and
+    num_val are not used). ``seed`` is unused: decoding is deterministic."""
+    root = data_cfg.path
+    if not root:
+        raise DataError("data.path must name the image folder root for kind=imagefolder")
+    if not os.path.isdir(root):
+        raise DataError(f"image folder root not found: {root}")
+    classes = list_classes(os.path.join(root, "train"))
+    if data_cfg.num_classes != len(classes):
+        raise DataError(f"data.num_classes={data_cfg.num_classes} but "
+                        f"{os.path.join(root, 'train')} has {len(classes)} class folders")
+    train = read_split(root, "train", classes, data_cfg.render_size, data_cfg.workers)
+    val = read_split(root, "val", classes, data_cfg.render_size, data_cfg.workers)
+    return train, val

@@ -1,0 +1,282 @@
+"""The embedded procedural dataset: coloured shapes, classed by shape only.
+
+Each image is one filled shape on a background. The class is the shape; everything else is
+drawn at random per image and independently of the class: foreground and background colour
+(from a named palette, jittered, with a minimum contrast), a mild background gradient,
+size, position, rotation and Gaussian pixel noise. Shapes are drawn as a mask with PIL at 4x
+the render size and box-downsampled, which antialiases the edges.
+
+Determinism: images are generated in fixed chunks of ``CHUNK`` images, chunk ``i`` seeded
+from ``SeedSequence(split_seed, spawn_key=(i,))``, so the bytes depend only on the generation
+parameters, never on the number of worker processes. Labels are balanced (``arange(n) %
+num_classes``, permuted).
+
+Bump ``VERSION`` whenever the drawing changes: it is part of the cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import tempfile
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+VERSION = 1
+CHUNK = 500
+SUPERSAMPLE = 4
+
+# Order matters: a config with num_classes=k uses the first k. The first ten were chosen to
+# stay distinguishable at 32x32 (no pentagon / hexagon next to the circle).
+CLASSES = ["circle", "square", "triangle", "plus", "star", "ring", "crescent", "L-shape",
+           "arrow", "heart", "hourglass", "semicircle"]
+
+# Rotational symmetry order of each shape, used only to report a canonical angle in captions
+# (0 = rotation does not show).
+_SYMMETRY = {"circle": 0, "square": 4, "triangle": 3, "plus": 4, "star": 5, "ring": 0,
+             "crescent": 1, "L-shape": 1, "arrow": 1, "heart": 1, "hourglass": 2,
+             "semicircle": 1}
+
+_PALETTE = [
+    ("red", (215, 40, 40)), ("orange", (240, 140, 30)), ("yellow", (240, 220, 50)),
+    ("green", (50, 170, 60)), ("dark green", (25, 90, 40)), ("cyan", (50, 200, 215)),
+    ("blue", (45, 95, 225)), ("dark blue", (20, 30, 110)), ("purple", (130, 50, 180)),
+    ("pink", (240, 130, 185)), ("brown", (125, 75, 35)), ("white", (240, 240, 240)),
+    ("gray", (128, 128, 128)), ("black", (20, 20, 20)),
+]
+_PALETTE_RGB = np.array([c for _, c in _PALETTE], dtype=np.float32)
+_MIN_CONTRAST = 130.0  # Euclidean RGB distance between the palette entries of fg and bg
+_COLOUR_JITTER = 20.0
+
+# Size = radius of the shape's bounding circle, as a fraction of the image side.
+_RADIUS = (0.24, 0.44)
+_NOISE_SIGMA = (0.0, 10.0)  # pixel noise std, in 0..255 units
+_GRADIENT = 30.0  # max change of the background colour across the image
+_ROTATION = (0.0, 360.0)  # degrees, counter-clockwise from the upright shape
+
+
+def _circle(n=48, r=1.0, cx=0.0, cy=0.0):
+    t = np.linspace(0, 2 * np.pi, n, endpoint=False)
+    return np.stack([cx + r * np.cos(t), cy + r * np.sin(t)], 1)
+
+
+def _star(points=5, outer=1.0, inner=0.42):
+    t = np.arange(2 * points) * np.pi / points + np.pi / 2
+    r = np.where(np.arange(2 * points) % 2 == 0, outer, inner)
+    return np.stack([r * np.cos(t), r * np.sin(t)], 1)
+
+
+def _heart(n=64):
+    t = np.linspace(0, 2 * np.pi, n, endpoint=False)
+    x = 16 * np.sin(t) ** 3
+    y = 13 * np.cos(t) - 5 * np.cos(2 * t) - 2 * np.cos(3 * t) - np.cos(4 * t)
+    return np.stack([x, y + 2.5], 1) / 16.5
+
+
+def _semicircle(n=32):
+    t = np.linspace(0, np.pi, n)
+    return np.stack([np.cos(t), np.sin(t) - 0.4], 1) * 0.95
+
+
+# Each shape: list of (polygon in unit coordinates with y up, fill 255 = shape / 0 = hole),
+# drawn in order. Everything fits inside the unit circle.
+_GEOMETRY = {
+    "circle": [(_circle(r=0.85), 255)],
+    "square": [(np.array([[-0.68, -0.68], [0.68, -0.68], [0.68, 0.68], [-0.68, 0.68]]), 255)],
+    "triangle": [(_circle(n=3, r=1.0) @ np.array([[0, 1], [-1, 0]]), 255)],
+    "plus": [(np.array([[-0.2, 0.92], [0.2, 0.92], [0.2, 0.2], [0.92, 0.2], [0.92, -0.2],
+                        [0.2, -0.2], [0.2, -0.92], [-0.2, -0.92], [-0.2, -0.2], [-0.92, -0.2],
+                        [-0.92, 0.2], [-0.2, 0.2]]), 255)],
+    "star": [(_star(), 255)],
+    "ring": [(_circle(r=0.9), 255), (_circle(r=0.5), 0)],
+    "crescent": [(_circle(r=0.9), 255), (_circle(r=0.75, cx=0.45), 0)],
+    "L-shape": [(np.array([[-0.55, 0.85], [-0.1, 0.85], [-0.1, -0.35], [0.6, -0.35],
+                           [0.6, -0.8], [-0.55, -0.8]]), 255)],
+    "arrow": [(np.array([[-0.9, -0.17], [0.15, -0.17], [0.15, -0.6], [0.95, 0.0],
+                         [0.15, 0.6], [0.15, 0.17], [-0.9, 0.17]]), 255)],
+    "heart": [(_heart(), 255)],
+    "hourglass": [(np.array([[-0.65, 0.85], [0.65, 0.85], [0.0, 0.0], [0.65, -0.85],
+                             [-0.65, -0.85], [0.0, 0.0]]), 255)],
+    "semicircle": [(_semicircle(), 255)],
+}
+assert list(_GEOMETRY) == CLASSES
+
+
+def _size_word(frac):
+    lo, hi = _RADIUS
+    t = (frac - lo) / (hi - lo)
+    return "small" if t < 1 / 3 else ("medium" if t < 2 / 3 else "large")
+
+
+def _position_word(cx, cy, size):
+    # cx, cy in pixels, y down; "center" unless the shape sits clearly off-centre
+    dx, dy = cx / size - 0.5, cy / size - 0.5
+    col = "left" if dx < -0.08 else ("right" if dx > 0.08 else "")
+    row = "top" if dy < -0.08 else ("bottom" if dy > 0.08 else "")
+    if row and col:
+        return f"in the {row} {col}"
+    if col:
+        return f"on the {col}"
+    return f"at the {row}" if row else "in the center"
+
+
+def _pick_colours(rng):
+    while True:
+        f, b = rng.integers(len(_PALETTE), size=2)
+        if np.linalg.norm(_PALETTE_RGB[f] - _PALETTE_RGB[b]) >= _MIN_CONTRAST:
+            return int(f), int(b)
+
+
+def _draw_shape(draw, name, cx, cy, r, angle, y0):
+    """Draw one shape into the 0/255 mask canvas at SUPERSAMPLE x, tile starting at row y0."""
+    a = math.radians(angle)
+    rot = np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+    for poly, fill in _GEOMETRY[name]:
+        p = poly @ rot.T * r
+        xs = (cx + p[:, 0]) * SUPERSAMPLE
+        ys = (cy - p[:, 1]) * SUPERSAMPLE + y0  # image y points down
+        draw.polygon(list(zip(xs.tolist(), ys.tolist())), fill=fill)
+
+
+def _render_chunk(args):
+    """Images (uint8 [n, size, size, 3]) and captions for ``labels``, from the chunk seed."""
+    split_seed, chunk_idx, labels, size = args
+    rng = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(chunk_idx,)))
+    n = len(labels)
+    big = size * SUPERSAMPLE
+    # all masks of the chunk go into one tall canvas of n tiles: one PIL image, one resize
+    canvas = Image.new("L", (big, big * n), 0)
+    draw = ImageDraw.Draw(canvas)
+    fg = np.empty((n, 1, 1, 3), np.float32)
+    bg = np.empty((n, 1, 1, 3), np.float32)
+    grad = np.empty((n, 2), np.float32)
+    grad_col = np.empty((n, 1, 1, 3), np.float32)
+    sigma = np.empty((n, 1, 1, 1), np.float32)
+    captions = []
+    for i, label in enumerate(labels):
+        name = CLASSES[int(label)]
+        frac = rng.uniform(*_RADIUS)
+        r = frac * size
+        cx, cy = rng.uniform(r, size - r, size=2)
+        angle = rng.uniform(*_ROTATION) % 360.0
+        f, b = _pick_colours(rng)
+        fg[i] = _PALETTE_RGB[f] + rng.uniform(-_COLOUR_JITTER, _COLOUR_JITTER, 3)
+        bg[i] = _PALETTE_RGB[b] + rng.uniform(-_COLOUR_JITTER, _COLOUR_JITTER, 3)
+        theta = rng.uniform(0, 2 * np.pi)
+        grad[i] = (math.cos(theta), math.sin(theta))
+        grad_col[i] = rng.uniform(-_GRADIENT, _GRADIENT, 3)
+        sigma[i] = rng.uniform(*_NOISE_SIGMA)
+        _draw_shape(draw, name, cx, cy, r, angle, i * big)
+
+        caption = f"a {_size_word(frac)} {_PALETTE[f][0]} {name} on a {_PALETTE[b][0]} background"
+        caption += f", {_position_word(cx, cy, size)}"
+        sym = _SYMMETRY[name]
+        if sym:
+            caption += f", rotated {round(angle % (360 / sym)) % round(360 / sym)} degrees"
+        captions.append(caption)
+
+    # box-filter down: antialiased coverage in [0, 1]
+    alpha = np.asarray(canvas.resize((size, size * n), Image.BOX), dtype=np.float32)
+    alpha = alpha.reshape(n, size, size, 1) / 255
+
+    # composite (background gradient, shape, noise) in cache-sized blocks of images
+    coords = (np.arange(size, dtype=np.float32) + 0.5) / size - 0.5
+    out = np.empty((n, size, size, 3), np.uint8)
+    for s in range(0, n, 64):
+        e = min(n, s + 64)
+        ramp = (grad[s:e, 0, None, None] * coords[None, None, :]
+                + grad[s:e, 1, None, None] * coords[None, :, None])[..., None]
+        img = bg[s:e] + ramp * grad_col[s:e]
+        img += (fg[s:e] - img) * alpha[s:e]
+        img += rng.standard_normal(img.shape, dtype=np.float32) * sigma[s:e]
+        np.rint(img, out=img)
+        np.clip(img, 0, 255, out=img)
+        out[s:e] = img
+    return out, captions
+
+
+def generate(num: int, split_seed: int, num_classes: int = 10, render_size: int = 32,
+             workers: int = 1) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(images uint8 [num, S, S, 3], labels int64 [num], captions); independent of workers."""
+    if not 1 <= num_classes <= len(CLASSES):
+        raise ValueError(f"num_classes must be in [1, {len(CLASSES)}] for the shapes data, "
+                         f"got {num_classes}")
+    label_rng = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(2**31,)))
+    labels = label_rng.permutation(np.arange(num, dtype=np.int64) % num_classes)
+    jobs = [(split_seed, i, labels[s:s + CHUNK], render_size)
+            for i, s in enumerate(range(0, num, CHUNK))]
+    if workers > 1 and len(jobs) > 1:
+        # fork: the workers need only numpy + PIL, and fork skips re-importing torch
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(min(workers, len(jobs))) as pool:
+            parts = pool.map(_render_chunk, jobs, chunksize=1)
+    else:
+        parts = [_render_chunk(j) for j in jobs]
+    images = (np.concatenate([p[0] for p in parts]) if parts
+              else np.empty((0, render_size, render_size, 3), np.uint8))
+    captions = [c for p in parts for c in p[1]]
+    return images, labels, captions
+
+
+def split_seed(seed: int, split: str) -> int:
+    """The data seed of a split, derived from the run seed (train and val never collide)."""
+    h = hashlib.sha256(f"vitgraph-shapes/{split}/{int(seed)}".encode()).digest()
+    return int.from_bytes(h[:8], "little")
+
+
+def _cache_path(cache_dir, params):
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, f"shapes_v{VERSION}_{params['split']}_{key}.npz")
+
+
+def load_or_generate(split: str, num: int, seed: int, num_classes: int, render_size: int,
+                     workers: int, cache_dir: str | None):
+    """Like ``generate`` for one split of run seed ``seed``, through the .npz cache."""
+    params = {"version": VERSION, "split": split, "num": num, "seed": int(seed),
+              "num_classes": num_classes, "render_size": render_size, "chunk": CHUNK,
+              "supersample": SUPERSAMPLE}
+    path = _cache_path(cache_dir, params) if cache_dir else None
+    if path and os.path.exists(path):
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return z["images"], z["labels"], z["captions"].tolist()
+        except Exception:  # truncated or foreign file: regenerate and overwrite it
+            pass
+    images, labels, captions = generate(num, split_seed(seed, split), num_classes,
+                                        render_size, workers)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".shapes_", suffix=".npz.tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, images=images, labels=labels, captions=np.array(captions, dtype=str))
+            os.replace(tmp, path)  # atomic: concurrent ranks never see a half-written file
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    return images, labels, captions
+
+
+def build_shapes(data_cfg, seed: int):
+    """(train, held-out) ImageDatasets of the shapes task for run seed ``seed``."""
+    import torch
+
+    from vitgraph.data.loader import DataError, ImageDataset
+
+    if not 1 <= data_cfg.num_classes <= len(CLASSES):
+        raise DataError(f"data.num_classes={data_cfg.num_classes}: the shapes data has "
+                        f"{len(CLASSES)} classes ({', '.join(CLASSES)})")
+    out = []
+    for split, num in (("train", data_cfg.num_train), ("val", data_cfg.num_val)):
+        images, labels, captions = load_or_generate(
+            split, num, seed, data_cfg.num_classes, data_cfg.render_size,
+            data_cfg.workers, data_cfg.cache_dir)
+        out.append(ImageDataset(torch.from_numpy(np.ascontiguousarray(images)),
+                                torch.from_numpy(labels.astype(np.int64)),
+                                CLASSES[:data_cfg.num_classes], captions))
+    return out[0], out[1]

@@ -1,0 +1,113 @@
+"""Layer specs for the ViT encoder: ``te`` (megatron-core's Transformer Engine modules) and
+``torch`` (plain PyTorch through megatron-core's own parallel linears; runs on CPU).
+
+Both specs give every layer the same parameter names and shapes: the layer norms live inside
+the QKV and FC1 linears (``layer_norm_weight`` / ``layer_norm_bias``), as TE fuses them, so a
+state dict moves between the two unchanged (TE adds only ``_extra_state`` entries).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+SPECS = ("te", "torch")
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install
+        return False
+    return True
+
+
+def resolve_spec(name: str) -> str:
+    if name == "auto":
+        return "te" if torch.cuda.is_available() and te_available() else "torch"
+    return name
+
+
+class LayerNormColumnParallelLinear(ColumnParallelLinear):
+    """LayerNorm followed by megatron's ColumnParallelLinear, with TE's parameter names."""
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.eps = config.layernorm_epsilon
+        self.layer_norm_weight = torch.nn.Parameter(
+            torch.ones(input_size, dtype=config.params_dtype, device=device))
+        self.layer_norm_bias = torch.nn.Parameter(
+            torch.zeros(input_size, dtype=config.params_dtype, device=device))
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            # replicated across tensor-parallel ranks, like TE's; grads are identical there
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        x = F.layer_norm(input_, (input_.shape[-1],), self.layer_norm_weight,
+                         self.layer_norm_bias, self.eps)
+        return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
+
+
+class SDPAttention(MegatronModule):
+    """Bidirectional core attention through ``F.scaled_dot_product_attention``.
+
+    megatron-core 0.16.1's local ViT spec masks causally, which is wrong for a ViT; this is the
+    drop-in core attention for the ``torch`` spec: [s, b, heads, d] in, [s, b, heads * d] out.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        assert attn_mask_type == AttnMaskType.no_mask, "a ViT attends bidirectionally"
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _layer_spec(qkv, core_attention, proj, fc1, fc2) -> ModuleSpec:
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp,  # fused into linear_qkv
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.no_mask},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=qkv, core_attention=core_attention, linear_proj=proj),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,  # fused into linear_fc1
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_layer_spec(name: str) -> ModuleSpec:
+    if name == "te":
+        # megatron-core's TE ViT spec: no mask, layer norms fused into the linears
+        from megatron.core.models.vision.vit_layer_specs import (
+            get_vit_layer_with_transformer_engine_spec)
+        return get_vit_layer_with_transformer_engine_spec()
+    if name == "torch":
+        return _layer_spec(LayerNormColumnParallelLinear, SDPAttention, RowParallelLinear,
+                           LayerNormColumnParallelLinear, RowParallelLinear)
+    raise ValueError(f"unknown layer spec {name!r}; known: {', '.join(SPECS)}")

@@ -1,0 +1,118 @@
+"""The ViT encoder on megatron-core: patch embedding, class / register tokens, learned position
+embeddings, a ``TransformerBlock`` of the chosen layer spec, final norm, classification head.
+
+Pipeline-stage aware: ``pre_process`` stages own the embedding, ``post_process`` stages the norm
+and head, every stage its share of the layers. The model knows nothing of data parallelism or
+graphs; those are applied from outside (vitgraph.parallel.setup).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from vitgraph.models.registry import ViTArch
+
+
+class ViT(MegatronModule):
+    def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, arch: ViTArch,
+                 num_classes: int, *, num_registers: int = 0, class_token: bool = True,
+                 pool: str = "cls", pre_process: bool = True, post_process: bool = True,
+                 vp_stage: int | None = None):
+        super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
+        self.arch = arch
+        self.pre_process, self.post_process = pre_process, post_process
+        self.num_prefix = int(class_token) + num_registers
+        self.class_token, self.num_registers, self.pool = class_token, num_registers, pool
+        d = arch.hidden_size
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        dtype = config.params_dtype
+        if pre_process:
+            self.patch_embed = torch.nn.Conv2d(3, d, arch.patch_size, arch.patch_size,
+                                               device=device, dtype=dtype)
+            if class_token:
+                self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, d, device=device, dtype=dtype))
+            if num_registers:
+                self.registers = torch.nn.Parameter(
+                    torch.zeros(1, num_registers, d, device=device, dtype=dtype))
+            self.pos_embed = torch.nn.Parameter(torch.empty(
+                1, self.num_prefix + arch.num_patches(), d, device=device, dtype=dtype))
+            torch.nn.init.trunc_normal_(self.pos_embed, std=0.02)
+            for p in self._prefix_params():
+                torch.nn.init.trunc_normal_(p, std=0.02)
+        self.decoder = TransformerBlock(config, layer_spec, post_layer_norm=False,
+                                        pre_process=pre_process, post_process=post_process,
+                                        vp_stage=vp_stage)
+        if post_process:
+            self.final_norm = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon,
+                                                 device=device, dtype=dtype)
+            self.head = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
+            torch.nn.init.zeros_(self.head.weight)
+            torch.nn.init.zeros_(self.head.bias)
+
+    def _prefix_params(self):
+        return [p for p in (getattr(self, "cls_token", None), getattr(self, "registers", None))
+                if p is not None]
+
+    def set_input_tensor(self, input_tensor):
+        """Pipeline stages after the first take their input from the previous stage."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def _pos_embed(self, grid: int) -> torch.Tensor:
+        pos = self.pos_embed
+        trained = int(math.isqrt(pos.shape[1] - self.num_prefix))
+        if grid == trained:
+            return pos
+        # another image size: resize the patch grid of the position embeddings (bicubic, as timm)
+        prefix, patches = pos[:, : self.num_prefix], pos[:, self.num_prefix:]
+        patches = patches.reshape(1, trained, trained, -1).permute(0, 3, 1, 2)
+        patches = F.interpolate(patches.float(), size=(grid, grid), mode="bicubic",
+                                align_corners=False).to(pos.dtype)
+        return torch.cat([prefix, patches.permute(0, 2, 3, 1).flatten(1, 2)], dim=1)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """[b, 3, H, W] -> [s, b, d] tokens (sequence first, as megatron-core wants)."""
+        x = self.patch_embed(images)  # [b, d, H/p, W/p]
+        grid = x.shape[-1]
+        x = x.flatten(2).transpose(1, 2)
+        b = x.shape[0]
+        prefix = [p.expand(b, -1, -1) for p in self._prefix_params()]
+        x = torch.cat([*prefix, x], dim=1) + self._pos_embed(grid)
+        return x.transpose(0, 1).contiguous()
+
+    def forward(self, images: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(images) if self.pre_process else None
+        hidden = self.decoder(hidden_states=hidden, attention_mask=None)
+        if not self.post_process:
+            return hidden
+        hidden = self.final_norm(hidden)
+        if self.pool == "cls" and self.class_token:
+            feats = hidden[0]
+        else:
+            feats = hidden[self.num_prefix:].mean(dim=0)
+        return self.head(feats)
+
+
+def vit_flops_per_image(a: ViTArch, num_prefix: int, num_classes: int,
+                        image_size: int | None = None) -> float:
+    """Training FLOPs per image, T * (6N + 12 L d T) (DESIGN.md), for the whole model."""
+    t = num_prefix + a.num_patches(image_size)
+    n = vit_param_count(a, num_prefix, num_classes)
+    return t * (6 * n + 12 * a.num_layers * a.hidden_size * t)
+
+
+def vit_param_count(a: ViTArch, num_prefix: int, num_classes: int) -> int:
+    d, f = a.hidden_size, a.ffn_hidden_size
+    layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # qkv, proj, fc1, fc2, 2 layer norms
+    embed = 3 * a.patch_size ** 2 * d + d + (num_prefix + a.num_patches()) * d + num_prefix * d
+    head = 2 * d + d * num_classes + num_classes
+    return a.num_layers * layer + embed + head

@@ -1,0 +1,323 @@
+"""The training loop: microbatches through megatron-core's schedules, on CPU and GPU alike."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from vitgraph.config import Config, save_config
+from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval, to_model_input
+from vitgraph.models.registry import resolve_arch
+from vitgraph.models.vit import vit_flops_per_image
+from vitgraph.parallel.setup import (Dist, build_model, init_distributed, parallelize, shutdown,
+                                     use_bf16)
+from vitgraph.train import checkpoint
+from vitgraph.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("vitgraph")
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    log.setLevel(logging.INFO)
+    log.handlers.clear()
+    log.propagate = False
+    if rank != 0:
+        log.addHandler(logging.NullHandler())
+        return
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+        h.setFormatter(fmt)
+        log.addHandler(h)
+
+
+class Progress:
+    """A one-line progress bar on rank 0's terminal (nothing when stderr is not a terminal)."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.total, self.start, self.t0 = total, start, time.time()
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def update(self, step: int, extra: str = "") -> None:
+        if not self.enabled:
+            return
+        frac = step / max(self.total, 1)
+        done = step - self.start
+        eta = (time.time() - self.t0) / done * (self.total - step) if done else 0.0
+        bar = "#" * int(30 * frac)
+        sys.stderr.write(f"\r[{bar:<30}] {step}/{self.total} eta {eta:5.0f}s {extra}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.d: Dist = init_distributed(cfg)
+        d = self.d
+        self.run_dir = cfg.run_dir
+        if d.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+        dist.barrier()
+        _setup_logging(self.run_dir, d.rank)
+        log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
+                 torch.cuda.get_device_name() if d.cuda else "CPU (gloo, shims active)")
+
+        t0 = time.time()
+        self.train_set, self.val_set = build_datasets(cfg.data, cfg.train.seed)
+        log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
+                 len(self.train_set.labels), len(self.val_set.labels),
+                 len(self.train_set.classes), time.time() - t0)
+
+        self.arch = resolve_arch(cfg.model)
+        self.num_classes = cfg.model.num_classes or len(self.train_set.classes)
+        self.model = build_model(cfg, d, self.num_classes)
+        self.wrapped, self.graphs = parallelize(self.model, cfg, d)
+        self.bf16 = use_bf16(cfg, d)
+        self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda)
+
+        t = cfg.train
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
+        self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size, self.num_microbatches,
+                                       d.dp_rank, d.dp, t.seed)
+        self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.seq_len = self.model.num_prefix + self.arch.num_patches()
+        self.flops_per_image = vit_flops_per_image(self.arch, self.model.num_prefix,
+                                                   self.num_classes)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        log.info("model: %s, spec %s, %d params on this rank, %d tokens, %.2f GFLOP/image "
+                 "(train), %s", cfg.model.name, self.model.decoder.layers[0].__class__.__name__
+                 if len(self.model.decoder.layers) else "-", n_params, self.seq_len,
+                 self.flops_per_image / 1e9, "bf16" if self.bf16 else "fp32")
+        log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
+                 self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
+                 self.num_microbatches, t.micro_batch_size, d.dp)
+
+        mc = self.model.config
+        if d.cuda:
+            from megatron.core.distributed import finalize_model_grads
+            mc.finalize_model_grads_func = finalize_model_grads
+            mc.no_sync_func = self.wrapped.no_sync
+            mc.grad_scale_func = self.optimizer.scale_loss
+        self.forward_backward = get_forward_backward_func()
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.step = 0
+        self.writer = None
+        if d.rank == 0 and t.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if d.cuda:
+            from vitgraph.graphs.cudnn import warn_if_fallback
+            warn_if_fallback(log)
+
+    # ------------------------------------------------------------------ steps
+
+    def _forward_step(self, data_iterator, model, label_smoothing=0.0):
+        images, labels = next(data_iterator)
+        x = None
+        if self.d.is_first_stage:
+            # Float16Module casts to bf16 on GPU; keep fp32 here
+            x = to_model_input(images, self.arch.image_size, self.d.device, torch.float32)
+        labels = labels.to(self.d.device, non_blocking=True)
+        out = model(x)
+
+        def loss_func(output):
+            output = output.float()
+            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
+            correct = (output.argmax(-1) == labels).sum()
+            # the schedule divides `loss` in place by the number of microbatches: log a clone
+            stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
+                                 torch.tensor(float(labels.numel()), device=loss.device)])
+            return loss, {"stats": stats}
+
+        return out, loss_func
+
+    def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum [loss*n, correct, n] over the world: only last-stage ranks hold values, and each
+        tensor-parallel rank holds the same ones."""
+        stats = stats.to(self.d.device, torch.float64)
+        dist.all_reduce(stats)
+        return stats / self.d.tp
+
+    def _zero_grads(self):
+        if self.d.cuda:
+            self.wrapped.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def train_step(self, batches) -> tuple[torch.Tensor, float, bool]:
+        self._zero_grads()
+        out = self.forward_backward(
+            forward_step_func=partial(self._forward_step,
+                                      label_smoothing=self.cfg.train.label_smoothing),
+            data_iterator=iter(batches), model=[self.wrapped],
+            num_microbatches=self.num_microbatches, seq_length=self.seq_len,
+            micro_batch_size=self.cfg.train.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
+        return stats, float(grad_norm or 0.0), ok
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.wrapped.eval()
+        total = torch.zeros(3, device=self.d.device)
+        for images, labels in iterate_eval(self.val_set, self.cfg.train.eval_batch_size,
+                                           self.d.dp_rank, self.d.dp):
+            out = self.forward_backward(
+                forward_step_func=self._forward_step, data_iterator=iter([(images, labels)]),
+                model=[self.wrapped], num_microbatches=1, seq_length=self.seq_len,
+                micro_batch_size=len(labels), forward_only=True)
+            for o in out:
+                total += o["stats"]
+        self.wrapped.train()
+        loss_sum, correct, n = self._reduce(total).tolist()
+        return {"eval_loss": loss_sum / max(n, 1), "eval_top1": correct / max(n, 1),
+                "eval_images": int(n)}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict()}
+        path = checkpoint.save(self.ckpt_dir, self.step, self.d, state, self.cfg.checkpoint.keep)
+        log.info("checkpoint: %s", path)
+
+    def maybe_resume(self) -> None:
+        if not self.cfg.checkpoint.resume:
+            return
+        path = checkpoint.latest(self.ckpt_dir)
+        if path is None:
+            return
+        state = checkpoint.load(path, self.d)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.step = state["step"]
+        if self.graphs is not None:
+            self.graphs.reset()  # parameters were overwritten: capture again
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _log(self, record: dict) -> None:
+        if self.d.rank != 0:
+            return
+        with open(self.run_dir / "log.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.writer.add_scalar(k, v, record["step"])
+
+    def _peak_mem_gib(self) -> float:
+        if self.d.cuda:
+            return torch.cuda.max_memory_allocated() / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+    def run(self) -> dict:
+        cfg, d = self.cfg, self.d
+        self.maybe_resume()
+        t = cfg.train
+        progress = Progress(self.total_steps, self.step, t.progress and d.rank == 0)
+        window = torch.zeros(3, device=d.device)
+        window_steps, window_norm, skipped = 0, 0.0, 0
+        t_window = t_start = time.time()
+        evals = {}
+        while self.step < self.total_steps:
+            if self.graphs is not None:
+                self.graphs.step_begin(self.step)
+            stats, grad_norm, ok = self.train_step(self.loader.next_step())
+            self.step += 1
+            window += stats
+            window_steps += 1
+            window_norm += grad_norm
+            skipped += not ok
+            last = self.step == self.total_steps
+            if self.step % t.log_every == 0 or last:
+                loss_sum, correct, n = self._reduce(window).tolist()
+                if d.cuda:
+                    torch.cuda.synchronize()
+                dt = time.time() - t_window
+                ips = window_steps * t.global_batch_size / dt
+                tflops = ips * self.flops_per_image / d.world / 1e12  # per GPU
+                record = {"step": self.step, "epoch": self.loader.epoch,
+                          "loss": loss_sum / max(n, 1), "train_top1": correct / max(n, 1),
+                          "lr": self.optimizer.param_groups[0]["lr"],
+                          "grad_norm": window_norm / window_steps, "images_per_s": ips,
+                          "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / t.peak_flops,
+                          "peak_mem_gib": self._peak_mem_gib(), "skipped_steps": skipped}
+                if self.graphs is not None:
+                    record.update({f"graphs_{k}": v for k, v in self.graphs.stats().items()
+                                   if isinstance(v, (int, float))})
+                self._log(record)
+                log.info("step %d/%d | loss %.4f | top1 %.3f | lr %.2e | grad %.3f | %.1f img/s "
+                         "| %.2f TFLOP/s/gpu | MFU %.1f%% | mem %.2f GiB%s", self.step,
+                         self.total_steps, record["loss"], record["train_top1"], record["lr"],
+                         record["grad_norm"], ips, tflops, 100 * record["mfu"],
+                         record["peak_mem_gib"], self._graph_summary())
+                window.zero_()
+                window_steps, window_norm = 0, 0.0
+                t_window = time.time()
+            progress.update(self.step)
+            if (t.eval_every and self.step % t.eval_every == 0) and not last:
+                evals = self.evaluate()
+                self._log({"step": self.step, **evals})
+                log.info("eval step %d | top1 %.4f | loss %.4f", self.step, evals["eval_top1"],
+                         evals["eval_loss"])
+                t_window = time.time()  # eval time stays out of img/s
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
+                self.save()
+                t_window = time.time()
+        progress.close()
+        wall = time.time() - t_start
+        evals = self.evaluate()
+        self._log({"step": self.step, **evals})
+        log.info("eval step %d | top1 %.4f | loss %.4f", self.step, evals["eval_top1"],
+                 evals["eval_loss"])
+        if self.step > 0:
+            self.save()
+        metrics = {"step": self.step, **evals, "wall_s_this_process": wall,
+                   "model": cfg.model.name, "run_dir": str(self.run_dir)}
+        if self.graphs is not None:
+            metrics["graphs"] = self.graphs.stats()
+        if d.rank == 0:
+            path = self.run_dir / "metrics.json"
+            path.write_text(json.dumps(metrics, indent=2) + "\n")
+            log.info("final metrics: %s", path.resolve())
+        return metrics
+
+    def _graph_summary(self) -> str:
+        if self.graphs is None:
+            return ""
+        s = self.graphs.stats()
+        return (f" | graphs {s.get('num_graphs', 0)} (capture {s.get('capture_s', 0):.2f}s, "
+                f"pool {s.get('pool_bytes', 0) / 2**20:.0f} MiB)")
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+        shutdown()
+
+
+def train(cfg: Config) -> dict:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
