@@ -7,6 +7,12 @@ MLP 256, class token; batch 32, AdamW lr 1.5e-3 wd 0.05, 5% warm-up + cosine, la
 smoothing 0.1. Prints held-out top-1 every --eval-every steps with elapsed seconds.
 
     python scripts/shapes_baseline.py --steps 3000
+
+Measured (2 idle CPU cores, torch 2.13, 2 threads, seed 0; 20 steps/s; data 7 s):
+    step   500   25 s   23.6%        step  2000  100 s   94.4%
+    step  1000   49 s   64.4%        step  2500  125 s   96.7%
+    step  1500   72 s   86.9%        step  3000  151 s   97.1%
+With full-turn rotations instead of +-30 degrees it reached only 81% at step 3000.
 """
 
 from __future__ import annotations
@@ -68,9 +74,11 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (use 1 when other jobs share the 2 cores)")
     args = ap.parse_args()
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     cfg = types.SimpleNamespace(kind="shapes", path=None, num_train=args.num_train,
                                 num_val=args.num_val, render_size=args.render_size,

@@ -13,7 +13,7 @@ DEFAULT = ROOT / "configs" / "vit-tiny-shapes.yaml"
 
 
 def test_default_config_loads_and_overrides_apply():
-    cfg = load_config(DEFAULT, ["train.steps=7", "optim.lr=0.01", "model.num_registers=2"])
+    cfg = load_config(DEFAULT, ["train.steps=7", "optim.lr=1e-2", "model.num_registers=2"])
     assert isinstance(cfg, Config)
     assert cfg.train.steps == 7 and cfg.optim.lr == 0.01 and cfg.model.num_registers == 2
     assert cfg.data.kind == "shapes"
@@ -35,7 +35,6 @@ def test_every_shipped_config_has_a_launch_header(path):
     (["data.kind=imagefolder", "data.path=/nonexistent/x"], "data.path"),
     (["model.spec=jax"], "model.spec"),                   # bad choice
     (["model.name=vit_gigantic"], "model.name"),
-    (["train.epochs=2"], "train.steps"),                  # both durations
     (["train.global_batch_size=30", "train.micro_batch_size=8"], "train.global_batch_size"),
     (["parallel.pp=3"], "parallel.pp"),                   # world size 1 not divisible by 3
     (["parallel.tp=3", "model.num_heads=4"], "parallel.tp"),
@@ -75,6 +74,13 @@ def test_bad_yaml_file(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_both_durations_in_a_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"train": {"steps": 3, "epochs": 1}}))
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(f)
+
+
 def test_unknown_key_in_file(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"train": {"steps": 3, "warmup": 1}}))
@@ -87,3 +93,11 @@ def test_cli_process_exit_code_is_2(env):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "train.stpes" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_duration_override_replaces_the_files_other_duration():
+    cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
+                      ["data.kind=shapes", "train.steps=200"])
+    assert cfg.train.steps == 200 and cfg.train.epochs is None
+    cfg = load_config(DEFAULT, ["train.epochs=1.5"])
+    assert cfg.train.epochs == 1.5 and cfg.train.steps is None

@@ -81,40 +81,43 @@ def _nearest_centroid_acc(x_tr, y_tr, x_te, y_te, k):
 
 
 def test_colour_does_not_decide_the_class(small):
-    """Colour statistics alone stay near chance, while a crude shape statistic does not.
+    """Colour statistics alone stay near chance, while a colour-free shape statistic does not.
 
-    Features: a 4x4x4 colour histogram (which pixels colours occur, and how often) and the
-    mean colour. A nearest-centroid classifier on them must stay near 10% held-out.
-    Control: the same classifier on the centered, sorted 'is this pixel foreground' profile
-    (a colour-free view of the shape) must do clearly better, so the test would notice
-    a leak that tied colour to class rather than just a hard task.
+    A nearest-centroid classifier on a 4x4x4 colour histogram plus the mean colour must stay
+    near 10% held-out. Control: the same classifier on a radial profile of the foreground
+    (pixels far from the corner colour; distances from its centroid, divided by sqrt(area):
+    blind to colour, position, size and rotation) must do far better, so the images do
+    carry the class, in the shape.
     """
     train, val = small
 
     def colour_feats(ds):
         q = (ds.images.long() // 64).view(len(ds), -1, 3)
         idx = q[..., 0] * 16 + q[..., 1] * 4 + q[..., 2]
-        hist = torch.zeros(len(ds), 64).scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float))
+        hist = torch.zeros(len(ds), 64).scatter_add_(1, idx, torch.ones(idx.shape))
         mean = ds.images.float().mean((1, 2)) / 255
         return torch.cat([hist / idx.shape[1], mean], 1)
 
-    acc = _nearest_centroid_acc(colour_feats(train), train.labels, colour_feats(val),
-                                val.labels, 10)
-    assert acc < 0.22, f"colour features predict the shape: {acc:.0%}"
-
-    def shape_feats(ds):
-        # distance of each pixel from the background colour (estimated from the corners)
+    def radial_feats(ds):
         x = ds.images.float()
         corners = torch.stack([x[:, 0, 0], x[:, 0, -1], x[:, -1, 0], x[:, -1, -1]], 1)
-        bg = corners.median(1).values[:, None, None]
-        fgness = (x - bg).norm(dim=-1).view(len(ds), -1)
-        fgness = fgness / fgness.amax(1, keepdim=True).clamp_min(1)
-        # sorted profile: rotation and position invariant, colour free
-        return torch.sort(fgness, 1, descending=True).values[:, ::8]
+        dist = (x - corners.median(1).values[:, None, None]).norm(dim=-1)
+        fg = (dist > 0.5 * dist.flatten(1).amax(1)[:, None, None]).float()
+        yy, xx = torch.meshgrid(*[torch.arange(x.shape[1], dtype=torch.float)] * 2, indexing="ij")
+        area = fg.sum((1, 2)).clamp_min(1)
+        cy = (fg * yy).sum((1, 2)) / area
+        cx = (fg * xx).sum((1, 2)) / area
+        r = ((yy - cy[:, None, None]) ** 2 + (xx - cx[:, None, None]) ** 2).sqrt()
+        bins = (r / area.sqrt()[:, None, None] * 6).long().clamp(max=7)
+        hist = torch.zeros(len(ds), 8).scatter_add_(1, bins.flatten(1), fg.flatten(1))
+        return hist / area[:, None]
 
-    control = _nearest_centroid_acc(shape_feats(train), train.labels, shape_feats(val),
-                                    val.labels, 10)
-    assert control > acc + 0.05, f"control {control:.0%} vs colour {acc:.0%}"
+    colour = _nearest_centroid_acc(colour_feats(train), train.labels, colour_feats(val),
+                                   val.labels, 10)
+    shape = _nearest_centroid_acc(radial_feats(train), train.labels, radial_feats(val),
+                                  val.labels, 10)
+    assert colour < 0.22, f"colour features predict the class: {colour:.0%}"
+    assert shape > 0.6, f"a colour-free shape profile gets only {shape:.0%}"
 
 
 def test_cache_round_trip(tmp_path):
@@ -124,12 +127,19 @@ def test_cache_round_trip(tmp_path):
     assert len(files) == 2 and all(f.endswith(".npz") for f in files)
     mtimes = [os.path.getmtime(tmp_path / "cache" / f) for f in files]
     tr2, va2 = build_datasets(cfg, seed=3)
-    assert [os.path.getmtime(tmp_path / "cache" / f) for f in files] == mtimes  # read, not rewritten
+    # read back, not rewritten
+    assert [os.path.getmtime(tmp_path / "cache" / f) for f in files] == mtimes
     for a, b in ((tr1, tr2), (va1, va2)):
         assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
         assert a.captions == b.captions and a.classes == b.classes
     uncached, _ = build_datasets(shapes_cfg(num_train=96, num_val=32), seed=3)
     assert torch.equal(uncached.images, tr1.images)
+    # a truncated cache file is regenerated, not trusted
+    for f in files:
+        (tmp_path / "cache" / f).write_bytes(b"PK\x03\x04 truncated")
+    tr3, _ = build_datasets(cfg, seed=3)
+    assert torch.equal(tr3.images, tr1.images) and tr3.captions == tr1.captions
+    assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith(".tmp")]
     # another parameter set gets another file
     build_datasets(shapes_cfg(num_train=64, num_val=32, cache_dir=str(tmp_path / "cache")), 3)
     assert len(os.listdir(tmp_path / "cache")) == 3
@@ -200,13 +210,15 @@ def test_imagefolder_errors(folder, tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(DataError, match=re.escape(str(missing))):
         build_datasets(folder_cfg(missing), seed=0)
-    with pytest.raises(DataError, match=re.escape(str(folder / "train"))):
-        build_datasets(folder_cfg(folder, num_classes=3), seed=0)
-
     (folder / "train" / "bird").mkdir()
     with pytest.raises(DataError, match=re.escape(str(folder / "train" / "bird"))):
-        build_datasets(folder_cfg(folder, num_classes=3), seed=0)
+        build_datasets(folder_cfg(folder), seed=0)
     (folder / "train" / "bird").rmdir()
+
+    (folder / "val" / "fish").mkdir()  # a class the train split does not have
+    with pytest.raises(DataError, match=re.escape(str(folder / "val"))):
+        build_datasets(folder_cfg(folder), seed=0)
+    (folder / "val" / "fish").rmdir()
 
     bad = folder / "train" / "dog" / "zz.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not a png")
@@ -217,6 +229,13 @@ def test_imagefolder_errors(folder, tmp_path):
     os.rename(folder / "val", folder / "valx")
     with pytest.raises(DataError, match=re.escape(str(folder / "val"))):
         build_datasets(folder_cfg(folder), seed=0)
+    os.rename(folder / "train", folder / "trainx")
+    with pytest.raises(DataError, match=re.escape(str(folder / "train"))):
+        build_datasets(folder_cfg(folder), seed=0)
+    with pytest.raises(DataError, match="data.path"):
+        build_datasets(folder_cfg(folder, path=None), seed=0)
+    with pytest.raises(DataError, match="webdataset"):
+        build_datasets(shapes_cfg(kind="webdataset"), seed=0)
 
 
 # ---------------------------------------------------------------- loader

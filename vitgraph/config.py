@@ -45,6 +45,13 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-6
+    # std of the normal init of the linears (megatron's init_method_std); output layers get
+    # std / sqrt(2 * num_layers). 0.02 suits widths of hundreds; narrow models learn faster
+    # with ~1/sqrt(width)
+    init_std: float = 0.02
+    # TE spec on GPU: weight-gradient GEMMs accumulate straight into megatron DDP's fp32
+    # main_grad (no per-parameter accumulation hook work); ignored by the torch spec
+    gradient_accumulation_fusion: bool = True
 
 
 @dataclass
@@ -157,7 +164,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value != "" else None, "override")
+        key = key.strip()
+        _set_dotted(raw, key, yaml.safe_load(value) if value != "" else None, "override")
+        # a duration given on the command line replaces the file's other duration
+        other = {"train.steps": "epochs", "train.epochs": "steps"}.get(key)
+        if other and isinstance(raw.get("train"), dict):
+            raw["train"].pop(other, None)
     cfg = _build(Config, raw, src, prefix="")
     validate(cfg, src)
     return cfg
@@ -217,6 +229,11 @@ def _coerce(hint, value, src: str, key: str):
     elif hint is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif hint is str:

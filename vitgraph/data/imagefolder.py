@@ -88,17 +88,15 @@ def read_split(root: str, split: str, classes: list[str], render_size: int,
 
 
 def build_imagefolder(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
-    """(train, val) from ``data_cfg.path``; the folder decides the sizes (num_train and
-    num_val are not used). ``seed`` is unused: decoding is deterministic."""
+    """(train, val) from ``data_cfg.path``. The folder decides the classes and sizes:
+    num_classes, num_train and num_val are not used, nor is ``seed`` (decoding is
+    deterministic)."""
     root = data_cfg.path
     if not root:
         raise DataError("data.path must name the image folder root for kind=imagefolder")
     if not os.path.isdir(root):
         raise DataError(f"image folder root not found: {root}")
     classes = list_classes(os.path.join(root, "train"))
-    if data_cfg.num_classes != len(classes):
-        raise DataError(f"data.num_classes={data_cfg.num_classes} but "
-                        f"{os.path.join(root, 'train')} has {len(classes)} class folders")
     train = read_split(root, "train", classes, data_cfg.render_size, data_cfg.workers)
     val = read_split(root, "val", classes, data_cfg.render_size, data_cfg.workers)
     return train, val

@@ -81,22 +81,32 @@ def init_distributed(cfg: Config) -> Dist:
                                 timeout=datetime.timedelta(minutes=10),
                                 device_id=device if cuda else None)
     p = cfg.parallel
+    if ps.model_parallel_is_initialized():  # a second Trainer in one process (benchmarks)
+        ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
                                  pipeline_model_parallel_size=p.pp)
     d = Dist(rank, world, local_rank, device, p.tp, p.pp, ps.get_data_parallel_world_size(),
              ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
              ps.get_data_parallel_rank())
-    seed_everything(cfg.train.seed, d, graphs=cfg.graphs.enabled)
+    if cuda and cfg.graphs.enabled:
+        # graphs capture on the training stream, which must not be the legacy default stream
+        # (megatron DDP's grad-accumulation nodes remember the stream they were made on)
+        from vitgraph.graphs import use_side_stream
+        use_side_stream(device)
+    seed_everything(cfg.train.seed, d, graphs=cfg.graphs.enabled,
+                    te=resolve_spec(cfg.model.spec) == "te")
     return d
 
 
-def seed_everything(seed: int, d: Dist, graphs: bool = False) -> None:
+def seed_everything(seed: int, d: Dist, graphs: bool = False, te: bool = False) -> None:
     # distinct per pipeline stage (different layers), same across data-parallel replicas so
     # that initial weights agree; megatron offsets the tensor-parallel streams itself
     torch.manual_seed(seed + 100 * d.pp_rank)
     if d.cuda:
+        # under graphs, TE's attention dropout needs TE's (graph-safe) RNG tracker
         tensor_parallel.model_parallel_cuda_manual_seed(
-            seed + 100 * d.pp_rank, use_cudagraphable_rng=graphs)
+            seed + 100 * d.pp_rank, te_rng_tracker=graphs and te, use_cudagraphable_rng=graphs,
+            force_reset_rng=True)
 
 
 def shutdown() -> None:
@@ -113,6 +123,8 @@ def use_bf16(cfg: Config, d: Dist) -> bool:
 
 def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
     arch = resolve_arch(cfg.model)
+    fuse_wgrad = (cfg.model.gradient_accumulation_fusion and d.cuda
+                  and resolve_spec(cfg.model.spec) == "te")
     bf16 = use_bf16(cfg, d)
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
@@ -120,13 +132,13 @@ def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
         hidden_dropout=cfg.model.hidden_dropout, attention_dropout=cfg.model.attention_dropout,
         layernorm_epsilon=cfg.model.layernorm_epsilon, add_bias_linear=True,
         activation_func=torch.nn.functional.gelu, gated_linear_unit=False,
-        normalization="LayerNorm", init_method_std=0.02,
+        normalization="LayerNorm", init_method_std=cfg.model.init_std,
         tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
         sequence_parallel=False, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=not d.cuda, perform_initialization=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=fuse_wgrad, persist_layer_norm=False,
         # p2p between pipeline stages: on CPU avoid the CUDA-stream sync
         batch_p2p_comm=d.cuda, batch_p2p_sync=d.cuda,
     )

@@ -127,24 +127,7 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _forward_step(self, data_iterator, model, label_smoothing=0.0):
-        images, labels = next(data_iterator)
-        x = None
-        if self.d.is_first_stage:
-            # Float16Module casts to bf16 on GPU; keep fp32 here
-            x = to_model_input(images, self.arch.image_size, self.d.device, torch.float32)
-        labels = labels.to(self.d.device, non_blocking=True)
-        out = model(x)
-
-        def loss_func(output):
-            output = output.float()
-            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
-            correct = (output.argmax(-1) == labels).sum()
-            # the schedule divides `loss` in place by the number of microbatches: log a clone
-            stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
-                                 torch.tensor(float(labels.numel()), device=loss.device)])
-            return loss, {"stats": stats}
-
-        return out, loss_func
+        return forward_step(self.d, self.arch.image_size, data_iterator, model, label_smoothing)
 
     def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum [loss*n, correct, n] over the world: only last-stage ranks hold values, and each
@@ -153,24 +136,8 @@ class Trainer:
         dist.all_reduce(stats)
         return stats / self.d.tp
 
-    def _zero_grads(self):
-        if self.d.cuda:
-            self.wrapped.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
     def train_step(self, batches) -> tuple[torch.Tensor, float, bool]:
-        self._zero_grads()
-        out = self.forward_backward(
-            forward_step_func=partial(self._forward_step,
-                                      label_smoothing=self.cfg.train.label_smoothing),
-            data_iterator=iter(batches), model=[self.wrapped],
-            num_microbatches=self.num_microbatches, seq_length=self.seq_len,
-            micro_batch_size=self.cfg.train.micro_batch_size, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
-        stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
-        return stats, float(grad_norm or 0.0), ok
+        return train_step(self, batches)
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -306,13 +273,58 @@ class Trainer:
         if self.graphs is None:
             return ""
         s = self.graphs.stats()
-        return (f" | graphs {s.get('num_graphs', 0)} (capture {s.get('capture_s', 0):.2f}s, "
-                f"pool {s.get('pool_bytes', 0) / 2**20:.0f} MiB)")
+        fallbacks = sum(s["eager_fallbacks"].values())
+        return (f" | graphs {s['graphs']} (capture {s['capture_time_s']:.2f}s, pool "
+                f"{s['pool_bytes'] / 2**20:.0f} MiB, replays {s['replays']}, eager calls "
+                f"{fallbacks}, unseen shapes {s['unseen_shapes']})")
 
-    def close(self):
+    def close(self, shutdown_dist: bool = True):
         if self.writer is not None:
             self.writer.close()
-        shutdown()
+        if self.graphs is not None:
+            self.graphs.restore()
+        if shutdown_dist:
+            shutdown()
+
+
+def forward_step(d: Dist, image_size: int, data_iterator, model, label_smoothing=0.0):
+    """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
+    images, labels = next(data_iterator)
+    x = None
+    if d.is_first_stage:
+        # Float16Module casts to bf16 on GPU; keep fp32 here
+        x = to_model_input(images, image_size, d.device, torch.float32)
+    labels = labels.to(d.device, non_blocking=True)
+    out = model(x)
+
+    def loss_func(output):
+        output = output.float()
+        loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
+        correct = (output.argmax(-1) == labels).sum()
+        # the schedule divides `loss` in place by the number of microbatches: log a clone
+        stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
+                             torch.tensor(float(labels.numel()), device=loss.device)])
+        return loss, {"stats": stats}
+
+    return out, loss_func
+
+
+def train_step(t: "Trainer", batches) -> tuple[torch.Tensor, float, bool]:
+    """One optimizer step over ``batches`` (this rank's microbatches): zero grads, the
+    schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
+    summed over microbatches, grad norm, whether the step was applied)."""
+    if t.d.cuda:
+        t.wrapped.zero_grad_buffer()
+    t.optimizer.zero_grad()
+    out = t.forward_backward(
+        forward_step_func=partial(t._forward_step, label_smoothing=t.cfg.train.label_smoothing),
+        data_iterator=iter(batches), model=[t.wrapped], num_microbatches=len(batches),
+        seq_length=t.seq_len, micro_batch_size=len(batches[0][1]), forward_only=False)
+    ok, grad_norm, _ = t.optimizer.step()
+    if ok:
+        t.scheduler.step(increment=1)
+    stats = sum((o["stats"] for o in out), torch.zeros(3, device=t.d.device))
+    return stats, float(grad_norm or 0.0), ok
 
 
 def train(cfg: Config) -> dict:

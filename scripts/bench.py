@@ -1,0 +1,258 @@
+"""Training-step throughput of vitgraph and its peers, in one process, on one GPU.
+
+Every system runs the same full training step (forward, backward, AdamW step) on the same
+shapes: a ViT at 224 with random bf16 inputs and labels. Prints a table with the ratios and
+writes ``{"provenance": ..., "rows": [...]}`` JSON (DESIGN.md, "Tests and numbers").
+
+    python scripts/bench.py --model vit_l16_224 --micro-batches 8 256 \
+        --systems vitgraph vitgraph+graphs timm timm+compile-reduce-overhead \
+        --out benchmarks/h200-vit_l16_224.json
+
+Systems:
+  vitgraph               vitgraph's Trainer step: megatron-core schedule, TE spec, bf16,
+                         megatron DDP + optimizer, eager
+  vitgraph+graphs        the same with graphs.enabled=true (per-layer CUDA graphs, impl local)
+  vitgraph+graphs-te     the same with graphs.impl=te
+  timm                   timm ViT, autocast bf16, fused torch AdamW
+  timm+compile           the same under torch.compile (default mode)
+  timm+compile-reduce-overhead   torch.compile(mode="reduce-overhead") (CUDA graphs)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PEAK_FLOPS = 790e12
+TIMM_NAMES = {"vit_l16_224": "vit_large_patch16_224", "vit_b16_224": "vit_base_patch16_224",
+              "vit_h14_224": "vit_huge_patch14_224"}
+
+
+def _sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+PROFILE = None  # --profile N: cProfile N steps after warm-up, print the top functions
+
+
+def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
+    """Seconds per step (median of 3 timed blocks), peak allocated and peak reserved GiB.
+
+    Reserved memory is the fair comparison with graphs: a graph's private pool keeps its
+    blocks reserved between replays while the allocator counts them as free."""
+    for _ in range(warmup):
+        step()
+    if PROFILE:
+        import cProfile
+        import pstats
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(PROFILE):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()  # graphs were captured in the warm-up: their pools count
+    blocks = []
+    for _ in range(3):
+        t0 = _sync_time()
+        for _ in range(iters):
+            step()
+        blocks.append((_sync_time() - t0) / iters)
+    blocks.sort()
+    return (blocks[1], torch.cuda.max_memory_allocated() / 2**30,
+            torch.cuda.max_memory_reserved() / 2**30)
+
+
+# ---------------------------------------------------------------- vitgraph
+
+def bench_vitgraph(model: str, mb: int, graphs: str | None, warmup: int, iters: int,
+                   overrides: list[str] = ()) -> dict:
+    from vitgraph.config import load_config
+    from vitgraph.train.loop import Trainer
+    over = [f"model.name={model}", "model.spec=te", "data.kind=shapes", "data.num_train=64",
+            "data.num_val=64", "data.render_size=32", f"train.global_batch_size={mb}",
+            f"train.micro_batch_size={mb}", "train.steps=100000", "train.precision=bf16",
+            "train.tensorboard=false", "train.progress=false", "optim.clip_grad=1.0",
+            f"run.dir=/tmp/vitgraph-bench/{model}-{mb}-{graphs}"]
+    if graphs:
+        over += ["graphs.enabled=true", f"graphs.impl={graphs}", "graphs.warmup_steps=2"]
+    over += [f"data.num_train={max(64, mb)}", *overrides]
+    cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
+    trainer = Trainer(cfg)
+    size = trainer.arch.image_size
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (mb, size, size, 3), dtype=torch.uint8, generator=gen),
+                torch.randint(0, 10, (mb,), generator=gen))]
+    state = {"step": 0}
+
+    def step():
+        if trainer.graphs is not None:
+            trainer.graphs.step_begin(state["step"])
+        trainer.train_step(batches)
+        state["step"] += 1
+
+    try:
+        sec, mem, reserved = _measure(step, warmup, iters)
+        extra = {}
+        if trainer.graphs is not None:
+            extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
+                                    if isinstance(v, (int, float, str, bool))}
+        flops = trainer.flops_per_image
+        return {"images_per_s": mb / sec, "peak_mem_gib": mem, "peak_reserved_gib": reserved,
+                "flops_per_image": flops, **extra}
+    finally:
+        trainer.close(shutdown_dist=False)
+        del trainer
+
+
+# ---------------------------------------------------------------- timm peers
+
+def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters: int) -> dict:
+    import timm
+    net = timm.create_model(TIMM_NAMES[model], num_classes=10).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    fwd = net if compile_mode is None else torch.compile(
+        net, mode=None if compile_mode == "default" else compile_mode)
+    x = torch.randn(mb, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 10, (mb,), device="cuda")
+
+    def step():
+        if compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(fwd(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sec, mem, reserved = _measure(step, warmup, iters)
+    return {"images_per_s": mb / sec, "peak_mem_gib": mem, "peak_reserved_gib": reserved}
+
+
+# ---------------------------------------------------------------- driver
+
+def provenance(args) -> dict:
+    def ver(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:
+            return None
+    try:  # the device copy of the tree may have no usable git: record None, never "HEAD"
+        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = None, None
+    cudnn_te = None
+    try:
+        from vitgraph.graphs.cudnn import attention_report
+        cudnn_te = attention_report()
+    except Exception as e:  # report, never fail the benchmark on it
+        cudnn_te = {"error": repr(e)}
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "command": " ".join([sys.executable, *sys.argv]), "git_commit": commit,
+            "git_dirty": dirty,
+            "gpu": torch.cuda.get_device_name(), "gpus": 1, "host": platform.node(),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn_torch": torch.backends.cudnn.version(),
+            "transformer_engine": ver("transformer_engine"), "megatron_core": _mcore_version(),
+            "timm": ver("timm"), "python": platform.python_version(), "attention": cudnn_te,
+            "warmup": args.warmup, "iters": args.iters, "vitgraph_overrides": args.override,
+            "method": "median of 3 blocks of `iters` steps, after `warmup` steps; "
+                      "peak memory over the timed steps (torch.cuda.max_memory_allocated)"}
+
+
+def _mcore_version():
+    try:
+        import megatron.core
+        return megatron.core.__version__
+    except Exception:
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="vit_l16_224", choices=sorted(TIMM_NAMES))
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 256])
+    ap.add_argument("--systems", nargs="+", default=["vitgraph", "vitgraph+graphs", "timm",
+                                                     "timm+compile-reduce-overhead"])
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--override", nargs="*", default=[],
+                    help="extra vitgraph config overrides (key=value) for the vitgraph systems")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile this many steps per system")
+    args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+    rows = []
+    for mb in args.micro_batches:
+        for system in args.systems:
+            t0 = time.time()
+            try:
+                if system.startswith("vitgraph"):
+                    impl = {"vitgraph": None, "vitgraph+graphs": "local",
+                            "vitgraph+graphs-te": "te"}[system]
+                    res = bench_vitgraph(args.model, mb, impl, args.warmup, args.iters, args.override)
+                else:
+                    mode = {"timm": None, "timm+compile": "default",
+                            "timm+compile-reduce-overhead": "reduce-overhead"}[system]
+                    res = bench_timm(args.model, mb, mode, args.warmup, args.iters)
+                err = None
+            except Exception as e:
+                traceback.print_exc()
+                res, err = {}, f"{type(e).__name__}: {e}"[:500]
+            gc.collect()
+            torch.cuda.empty_cache()
+            row = {"system": system, "model": args.model, "micro_batch": mb,
+                   "precision": "bf16", "graphs": "graphs" in system or "reduce-overhead" in system,
+                   "gpus": 1, "layout": "dp1", **res, "error": err,
+                   "wall_s": round(time.time() - t0, 1)}
+            fpi = res.get("flops_per_image")
+            if fpi is None:
+                fpi = next((r.get("flops_per_image") for r in rows if r.get("flops_per_image")), None)
+            if res.get("images_per_s") and fpi:
+                row["mfu"] = res["images_per_s"] * fpi / PEAK_FLOPS
+            rows.append(row)
+            print(f"{system:32s} mb {mb:4d}: {res.get('images_per_s', float('nan')):9.1f} img/s "
+                  f"peak {res.get('peak_mem_gib', float('nan')):6.1f} GiB allocated "
+                  f"{res.get('peak_reserved_gib', float('nan')):6.1f} GiB reserved  ({row['wall_s']}s)"
+                  + (f"  ERROR {err}" if err else ""), flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))
+
+    print("\nratios against vitgraph eager (same micro-batch):")
+    for mb in args.micro_batches:
+        base = next((r for r in rows if r["system"] == "vitgraph" and r["micro_batch"] == mb
+                     and r.get("images_per_s")), None)
+        for r in rows:
+            if r["micro_batch"] != mb or not r.get("images_per_s") or base is None:
+                continue
+            print(f"  mb {mb:4d} {r['system']:32s} {r['images_per_s'] / base['images_per_s']:5.2f}x "
+                  f"speed  {r['peak_reserved_gib'] / base['peak_reserved_gib']:5.2f}x reserved memory")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

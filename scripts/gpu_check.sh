@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks, in one go, for a CUDA machine with TE and megatron-core importable
+# (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
+#   usage: scripts/gpu_check.sh [tests|train|graphs-train|bench ...]   (default: tests train)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-logs}; mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests train)
+nvidia-smi -L | tee "$out/gpu.txt"
+b16=(configs/vit-b16-imagefolder.yaml data.kind=shapes data.render_size=32 data.num_train=20000
+     data.workers=8 train.steps=200 train.global_batch_size=256 train.micro_batch_size=64
+     train.log_every=20 train.eval_every=100 optim.warmup_steps=20 optim.lr=5e-4 train.progress=false)
+for s in "${steps[@]}"; do
+  echo "=== $s" | tee -a "$out/summary.txt"
+  case $s in
+    tests) timeout 250 python -m pytest -m gpu tests/gpu -v -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+    train) timeout 100 python -m vitgraph train "${b16[@]}" run.dir=/tmp/b16 train.steps=400 \
+             train.global_batch_size=128 train.micro_batch_size=128 optim.lr=1e-3 optim.warmup_steps=40 \
+             train.eval_every=200 2>&1 | tee "$out/train_b16.log" | grep -E "step|eval|error|Error" | tail -20 ;;
+    graphs-train)
+      # eager vs graphs, 200 steps each; then the graphs run resumes from its step-100
+      # checkpoint and must continue on graphs with the same curve
+      g=("${b16[@]}" train.global_batch_size=32 train.micro_batch_size=32 train.log_every=10
+         checkpoint.every=100 checkpoint.keep=5)
+      timeout 110 python -m vitgraph train "${g[@]}" run.dir=/tmp/eager > "$out/train_eager.log" 2>&1
+      timeout 110 python -m vitgraph train "${g[@]}" run.dir=/tmp/graphs graphs.enabled=true > "$out/train_graphs.log" 2>&1
+      cp /tmp/graphs/log.jsonl /tmp/graphs_first.jsonl
+      echo step_000100 > /tmp/graphs/checkpoints/latest; rm -rf /tmp/graphs/checkpoints/step_000200
+      : > /tmp/graphs/log.jsonl
+      timeout 110 python -m vitgraph train "${g[@]}" run.dir=/tmp/graphs graphs.enabled=true > "$out/train_graphs_resumed.log" 2>&1
+      python scripts/compare_curves.py /tmp/eager/log.jsonl /tmp/graphs_first.jsonl /tmp/graphs/log.jsonl 2>&1 | tee "$out/curves.txt"
+      grep -E "graphs|resumed|cudnn|cuDNN" "$out/train_graphs_resumed.log" | tail -8 ;;
+    bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
+  esac
+done

@@ -1,0 +1,52 @@
+"""GPU: the te and torch layer specs compute the same function for the same weights (bf16)."""
+import pytest
+import torch
+
+from vitgraph.config import load_config
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def dist1():
+    from vitgraph.parallel.setup import init_distributed, shutdown
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=te"])
+    d = init_distributed(cfg)
+    yield d
+    shutdown()
+
+
+def _build(d, spec, *over):
+    from vitgraph.parallel.setup import build_model
+    cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
+                      ["data.kind=shapes", f"model.spec={spec}", "model.num_layers=4",
+                       "model.gradient_accumulation_fusion=false", *over])
+    return build_model(cfg, d, 10)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_te_and_torch_specs_agree(dist1):
+    te_model = _build(dist1, "te", "model.num_registers=4")
+    torch_model = _build(dist1, "torch", "model.num_registers=4")
+    with torch.no_grad():
+        torch.nn.init.normal_(te_model.head.weight, std=0.02)
+    state = te_model.state_dict()
+    missing, unexpected = torch_model.load_state_dict(state, strict=False)
+    assert not missing, missing
+    assert all(k.endswith("_extra_state") for k in unexpected), unexpected
+    assert {n: p.shape for n, p in te_model.named_parameters()} == \
+        {n: p.shape for n, p in torch_model.named_parameters()}
+
+    x = torch.randn(8, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+    out_te, out_torch = te_model(x), torch_model(x)
+    assert _rel(out_te, out_torch) < 2e-2
+    out_te.float().square().sum().backward()
+    out_torch.float().square().sum().backward()
+    grads_te = dict(te_model.named_parameters())
+    for name, p in torch_model.named_parameters():
+        assert _rel(grads_te[name].grad, p.grad) < 5e-2, name

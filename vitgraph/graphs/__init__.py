@@ -1,0 +1,28 @@
+"""Per-layer CUDA graphs for megatron-core TransformerLayers (see manager.py).
+
+    from vitgraph.graphs import GraphManager, GraphsConfig
+    manager = GraphManager.for_model(model_chunks, GraphsConfig(enabled=True))
+"""
+
+from .backend import CaptureBackend, CudaBackend, RerunBackend, default_backend, use_side_stream
+from .callable import GraphedCallable
+from .config import GraphsConfig
+from .cudnn import attention_report, te_attention_backend, warn_if_fallback
+from .manager import GraphManager, find_transformer_layers
+from .te_impl import TEGraphedCallable
+
+__all__ = [
+    "CaptureBackend",
+    "CudaBackend",
+    "RerunBackend",
+    "default_backend",
+    "use_side_stream",
+    "GraphedCallable",
+    "TEGraphedCallable",
+    "GraphsConfig",
+    "GraphManager",
+    "find_transformer_layers",
+    "attention_report",
+    "te_attention_backend",
+    "warn_if_fallback",
+]

@@ -1,0 +1,431 @@
+"""A graphed callable: one module's forward and backward replayed behind an autograd.Function.
+
+Layout: a `GraphedCallable` wraps one module (a TransformerLayer). For every *key* (the call
+signature: argument structure, non-tensor arguments, tensor shapes/dtypes/requires_grad,
+autocast state) it keeps a list of *slots*. A slot is one complete graph pair with its own
+static buffers:
+
+    static inputs   -- detached copies of the tensor arguments (requires_grad as the real ones)
+    forward graph   -- module forward on the static inputs -> static outputs (tensor leaves)
+    backward graph  -- torch.autograd.grad(static outputs that require grad,
+                                           static inputs that require grad + parameters,
+                                           grad_outputs = static grad buffers)
+    static grads    -- what the backward graph writes, one per differentiable input
+
+Microbatches in flight (pipeline schedules): a forward takes the first *free* slot and
+marks it busy; that microbatch's backward replays the same slot (the slot travels in the
+autograd ctx) and frees it. With every slot busy a new one is captured (up to max_slots).
+Replaying one slot for every microbatch is the classic 1F1B failure: microbatch 1's forward
+overwrites the activations microbatch 0's backward still needs.
+
+Memory: one private pool per slot (its forward and backward graph). Graphs sharing a pool
+may be handed, as *live* memory (saved activations, outputs), blocks another graph freed
+during its capture (its temporaries). That is only safe when the graphs replay in capture
+order -- torch's and TE's make_graphed_callables capture everything at once in replay order
+(megatron passes TE the pipeline schedule as `_order`). Here slots are captured on demand:
+the second microbatch in flight, a new shape, a re-capture after parameters were replaced.
+No capture order matches every replay order, and with one shared pool (checked on an H200)
+slot 0's backward wrote its temporaries over slot 1's saved activations: the second
+microbatch's gradients were 20% off. Inside a slot the forward replays before the backward,
+as captured, so the backward may reuse memory the forward freed and its own saved
+activations (retain_graph=False); the backward's outputs may therefore sit in memory the
+next forward replay of the slot overwrites, which is why the parameter-gradient guard below
+runs before each forward replay. Cost against an ideally ordered shared pool: one set of
+backward temporaries per slot (at ViT micro-batch 8 a few MB per layer).
+
+Output contract (as torch's and TE's graphed callables): the tensors returned by a forward
+are the slot's static outputs (detached views). They stay valid until that slot replays its
+forward again, which happens only after the slot's backward ran -- i.e. after everything
+downstream of them was differentiated. Code that keeps a layer output longer than its
+backward (e.g. logging it after the step) must clone it.
+
+Gradient contract: gradients are returned to autograd exactly where eager would put them:
+inputs that require grad and parameters (autograd accumulates parameter grads into .grad
+and fires megatron DDP's grad-accumulation hooks, which move them to main_grad). Returned
+gradients are static buffers; autograd may *steal* a buffer as `param.grad` when .grad was
+None. Before a slot replays (forward or backward), any parameter whose .grad still aliases
+that slot's buffers gets a private copy (copy-on-conflict: free in the usual cases where
+megatron DDP or zero_grad(set_to_none=True) clears .grad). Input gradients are cloned only
+for inputs that are autograd leaves (a pipeline stage's received activation), for the same
+reason.
+
+Non-eager side effects: Python code inside the module runs at capture only. Transformer
+Engine's fused weight-gradient accumulation sets `param.grad_added_to_main_grad = True`
+during backward; the parameters for which the captured backward did that get it set again
+on every replay, so megatron DDP does not add TE's dummy weight gradient to main_grad.
+Warm-up runs touch main_grad (fused accumulation) and RNG state; both are restored, so the
+capture step computes what eager would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import tree
+from .backend import CaptureBackend, Replayable
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared with the TE implementation
+
+
+@contextlib.contextmanager
+def capture_flags(megatron: bool = True, te: bool = True):
+    """Tell megatron-core and TE that a graph capture (and its warm-up) is under way.
+
+    megatron: DDP's forward pre-hooks and grad hooks return early; TE: attention backend
+    selection for graphs, no FP8 amax reduction inside the graph.
+    """
+    ends: list[Callable[[], None]] = []
+    mg = sys.modules.get("megatron.core.transformer.cuda_graphs") if megatron else None
+    if mg is not None and hasattr(mg, "_set_capture_start") and not mg.is_graph_capturing():
+        mg._set_capture_start()
+        ends.append(mg._set_capture_end)
+    teg = sys.modules.get("transformer_engine.pytorch.graph") if te else None
+    if teg is not None and hasattr(teg, "set_capture_start") and not teg.is_graph_capturing():
+        teg.set_capture_start()
+        ends.append(teg.set_capture_end)
+    try:
+        yield
+    finally:
+        for end in reversed(ends):
+            end()
+
+
+def preflight(module: torch.nn.Module) -> None:
+    """Fail early, with the fix, on setups whose capture is known to fail.
+
+    TE's DotProductAttention asserts, under graph capture, that its RNG tracker is TE's
+    CudaRNGStatesTracker; megatron hands it megatron's own tracker unless seeded with
+    model_parallel_cuda_manual_seed(..., te_rng_tracker=True).
+    """
+    te_dist = sys.modules.get("transformer_engine.pytorch.distributed")
+    te_tracker = getattr(te_dist, "CudaRNGStatesTracker", None) if te_dist is not None else None
+    if te_tracker is None:
+        return
+    for name, m in module.named_modules():
+        tracker = getattr(m, "rng_states_tracker", None)
+        if tracker is not None and not isinstance(tracker, te_tracker):
+            raise RuntimeError(
+                f"graphs: {name or type(module).__name__} is Transformer Engine attention with megatron's "
+                f"{type(tracker).__name__}; TE only captures attention with TE's RNG tracker. Seed with "
+                "megatron.core.tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=True) "
+                "before building the model (it is graph-safe as well).")
+
+
+class ParamSideEffects:
+    """Save/restore what warm-up and capture may change on parameters.
+
+    main_grad (TE's fused wgrad accumulation writes it during the warm-up backward) is
+    restored; `grad_added_to_main_grad` is cleared before and restored after, and the
+    parameters on which the captured code set it are reported in `.fused`.
+    """
+
+    def __init__(self, params: list):
+        self.params = params
+        self.fused: list = []
+
+    def __enter__(self) -> "ParamSideEffects":
+        self._main = [(p, p.main_grad.detach().clone()) for p in self.params
+                      if isinstance(getattr(p, "main_grad", None), torch.Tensor)]
+        self._flags = [(p, p.grad_added_to_main_grad) for p in self.params
+                       if hasattr(p, "grad_added_to_main_grad")]
+        for p, _ in self._flags:
+            p.grad_added_to_main_grad = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for p, saved in self._main:
+                p.main_grad.copy_(saved)
+        self.fused = [p for p, _ in self._flags if p.grad_added_to_main_grad]
+        for p, old in self._flags:
+            p.grad_added_to_main_grad = old
+
+
+def call_key(flat: list, spec: tuple) -> tuple:
+    """Hashable description of a call: graphs are only valid for identical keys."""
+    metas = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in flat)
+    dev = flat[0].device.type if flat else "cpu"
+    try:
+        ac = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+    except (TypeError, RuntimeError):  # pragma: no cover - old torch signatures
+        ac = None
+    return (spec, metas, ac)
+
+
+def autocast_without_cache(flat: list) -> Callable[[], Any]:
+    """The ambient autocast state with its cast cache off, as a context factory.
+
+    With the cache on, a weight cast cached by the warm-up (or an earlier eager call in the
+    same autocast region) would be reused by the capture, and the graph would read a cache
+    entry that is freed when the region ends; with it off the cast kernels are captured.
+    """
+    dev = flat[0].device.type if flat else "cpu"
+    if not torch.is_autocast_enabled(dev):
+        return contextlib.nullcontext
+    dtype = torch.get_autocast_dtype(dev)
+    return lambda: torch.autocast(dev, dtype=dtype, cache_enabled=False)
+
+
+class Slot:
+    """One graph pair with its static buffers (see module docstring)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.busy = False
+        self.uses = 0
+        self.static_in: list = []
+        self.params: list = []  # parameters passed to the Function (requires_grad at capture)
+        self.fwd: Optional[Replayable] = None
+        self.bwd: Optional[Replayable] = None
+        self.out_spec: tuple = ()
+        self.out_rg: list = []
+        self.grad_bufs: list = []  # per static output: buffer or None
+        self.grad_map: list = []  # per Function tensor input: index into bwd.outputs or -1
+        self.param_grads: list = []  # (param, static grad) for the copy-on-conflict guard
+        self.fused: list = []  # params needing grad_added_to_main_grad = True each replay
+        self.pool_bytes = 0
+        # TE implementation
+        self.te_callable: Any = None
+        self.grad_ptrs: Optional[set] = None
+
+    @property
+    def num_graphs(self) -> int:
+        if self.te_callable is not None:
+            return 2 if any(self.out_rg) else 1
+        return int(self.fwd is not None) + int(self.bwd is not None)
+
+
+def _unalias_param_grads(slot: Slot) -> None:
+    """copy-on-conflict: a .grad that still aliases this slot's gradient buffer (autograd
+    stole it at an earlier backward of the slot) must not be overwritten by the next replay
+    of the slot -- the backward writes the buffer, the forward may reuse its memory. Between
+    a slot's forward and its backward no backward of the slot can alias it again."""
+    for p, g in slot.param_grads:
+        pg = p.grad
+        if pg is not None and pg.data_ptr() == g.data_ptr():
+            p.grad = pg.clone()
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: copy inputs into the slot, replay. Backward: copy grads in, replay."""
+
+    @staticmethod
+    def forward(ctx, slot: Slot, leaf_mask: tuple, *tensors):  # type: ignore[override]
+        _unalias_param_grads(slot)
+        for static, real in zip(slot.static_in, tensors):
+            if static.data_ptr() != real.data_ptr():
+                static.copy_(real)
+        slot.fwd.replay()
+        outs = tuple(o.detach() for o in slot.fwd.outputs)
+        nondiff = [o for o, rg in zip(outs, slot.out_rg) if not rg]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        ctx.set_materialize_grads(False)
+        ctx.slot = slot
+        ctx.leaf_mask = leaf_mask
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # type: ignore[override]
+        slot: Slot = ctx.slot
+        for buf, g in zip(slot.grad_bufs, grads):
+            if buf is None:
+                continue
+            if g is None:
+                buf.zero_()
+            elif buf.data_ptr() != g.data_ptr():
+                buf.copy_(g)
+        slot.bwd.replay()
+        static = slot.bwd.outputs
+        out: list = [None, None]
+        n_in = len(slot.static_in)
+        for i, j in enumerate(slot.grad_map):
+            if j < 0 or static[j] is None:
+                out.append(None)
+            elif i < n_in and ctx.leaf_mask[i]:
+                out.append(static[j].clone())
+            else:
+                out.append(static[j].detach())
+        slot.busy = False
+        return tuple(out)
+
+
+class GraphedCallable:
+    """All graphs of one module: per key a list of slots. Impl `local`."""
+
+    impl = "local"
+
+    def __init__(self, module: torch.nn.Module, forward_fn: Callable, backend: CaptureBackend,
+                 *, max_slots: int = 8, warmup_iters: int = 2, name: str = "",
+                 on_capture: Optional[Callable[["GraphedCallable", Slot, float], None]] = None):
+        self.module = module
+        self.forward_fn = forward_fn
+        self.backend = backend
+        self.max_slots = max_slots
+        self.warmup_iters = warmup_iters
+        self.name = name
+        self.on_capture = on_capture
+        self.sets: dict = {}
+        self.sig: Optional[tuple] = None
+        self.captures = 0
+        self.capture_time_s = 0.0
+        self.replays = 0
+
+    # parameters ------------------------------------------------------------------------
+    def param_signature(self) -> tuple:
+        # cached (module, name) pairs: module.parameters() recurses through named_modules,
+        # which cost ~6 ms per step for ViT-L's 24 layers at micro-batch 8 (H200 profile)
+        if getattr(self, "_param_owners", None) is None:
+            self._param_owners = [(m, n) for m in self.module.modules()
+                                  for n, p in m._parameters.items() if p is not None]
+        sig = []
+        for m, n in self._param_owners:
+            p = m._parameters[n]
+            mg = getattr(p, "main_grad", None)
+            sig.append((id(p), p.data_ptr(), p.requires_grad,
+                        mg.data_ptr() if isinstance(mg, torch.Tensor) else 0))
+        return tuple(sig)
+
+    def drop(self) -> None:
+        """Forget every graph. Slots still referenced by a pending backward stay alive
+        through the autograd ctx until that backward ran."""
+        self.sets = {}
+        self.sig = None
+
+    # slots -----------------------------------------------------------------------------
+    def num_slots(self) -> int:
+        return sum(len(v) for v in self.sets.values())
+
+    def num_graphs(self) -> int:
+        return sum(s.num_graphs for v in self.sets.values() for s in v)
+
+    def pool_bytes(self) -> int:
+        return sum(s.pool_bytes for v in self.sets.values() for s in v)
+
+    def release_all(self) -> int:
+        n = 0
+        for slots in self.sets.values():
+            for s in slots:
+                if s.busy:
+                    s.busy = False
+                    n += 1
+        return n
+
+    def acquire(self, key: tuple, flat: list, spec: tuple) -> Optional[Slot]:
+        slots = self.sets.setdefault(key, [])
+        for s in slots:
+            if not s.busy:
+                s.busy = True
+                return s
+        if len(slots) >= self.max_slots:
+            return None
+        if self.sig is None:
+            self.sig = self.param_signature()
+        t0 = time.perf_counter()
+        slot = self._capture(len(slots), flat, spec)
+        dt = time.perf_counter() - t0
+        self.captures += 1
+        self.capture_time_s += dt
+        slots.append(slot)
+        slot.busy = True
+        if self.on_capture is not None:
+            self.on_capture(self, slot, dt)
+        return slot
+
+    # capture ---------------------------------------------------------------------------
+    def _static_inputs(self, flat: list) -> list:
+        with torch.no_grad():
+            return [x.detach().clone().requires_grad_(x.requires_grad) for x in flat]
+
+    def _capture(self, index: int, flat: list, spec: tuple) -> Slot:
+        backend = self.backend
+        slot = Slot(index)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        static_in = self._static_inputs(flat)
+        holder: dict = {}
+        forward_fn = self.forward_fn
+        autocast = autocast_without_cache(flat)
+
+        def run_forward() -> list:
+            with torch.enable_grad(), autocast():
+                args, kwargs = tree.unflatten(static_in, spec)
+                out = forward_fn(*args, **kwargs)
+            leaves, out_spec = tree.flatten(out)
+            holder["spec"] = out_spec
+            return leaves
+
+        diff_in = [s for s in static_in if s.requires_grad] + params
+
+        pool = backend.make_pool()  # private to this slot: see "Memory" above
+        rng = backend.rng_snapshot()
+        try:
+            with ParamSideEffects(params) as side, capture_flags():
+                with backend.side_stream():
+                    for _ in range(self.warmup_iters):
+                        outs = run_forward()
+                        roots = [o for o in outs if o.requires_grad]
+                        if roots and diff_in:
+                            torch.autograd.grad(roots, diff_in, grad_outputs=[torch.zeros_like(o) for o in roots],
+                                                allow_unused=True)
+                        del outs, roots
+                fwd = backend.capture(run_forward, pool)
+                outs = fwd.outputs
+                out_rg = [o.requires_grad for o in outs]
+                bwd = None
+                grad_bufs: list = [None] * len(outs)
+                if any(out_rg) and diff_in:
+                    grad_bufs = [torch.zeros_like(o) if rg else None for o, rg in zip(outs, out_rg)]
+                    idx = [i for i, rg in enumerate(out_rg) if rg]
+
+                    def run_backward() -> list:
+                        roots = fwd.grad_roots()
+                        return list(torch.autograd.grad([roots[i] for i in idx], diff_in,
+                                                        grad_outputs=[grad_bufs[i] for i in idx],
+                                                        allow_unused=True))
+
+                    bwd = backend.capture(run_backward, pool)
+        finally:
+            backend.rng_restore(rng)
+
+        slot.static_in = static_in
+        slot.params = params
+        slot.fwd, slot.bwd = fwd, bwd
+        slot.out_spec = holder["spec"]
+        slot.out_rg = out_rg
+        slot.grad_bufs = grad_bufs
+        slot.fused = side.fused
+        slot.pool_bytes = fwd.pool_bytes + (bwd.pool_bytes if bwd is not None else 0)
+        grad_map = []
+        j = 0
+        for s in static_in + params:
+            if bwd is not None and s.requires_grad:
+                grad_map.append(j)
+                j += 1
+            else:
+                grad_map.append(-1)
+        slot.grad_map = grad_map
+        if bwd is not None:
+            n_in = len(static_in)
+            slot.param_grads = [(p, bwd.outputs[grad_map[n_in + k]]) for k, p in enumerate(params)
+                                if bwd.outputs[grad_map[n_in + k]] is not None]
+        return slot
+
+    # replay ----------------------------------------------------------------------------
+    def run(self, slot: Slot, flat: list) -> Any:
+        self.replays += 1
+        slot.uses += 1
+        for p in slot.fused:
+            p.grad_added_to_main_grad = True
+        leaf_mask = tuple(x.requires_grad and x.grad_fn is None for x in flat)
+        outs = _Replay.apply(slot, leaf_mask, *flat, *slot.params)
+        if slot.bwd is None or not any(o.requires_grad for o in outs):
+            slot.busy = False  # no backward will come for this call
+        return tree.unflatten(outs, slot.out_spec)
