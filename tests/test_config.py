@@ -101,3 +101,15 @@ def test_duration_override_replaces_the_files_other_duration():
     assert cfg.train.steps == 200 and cfg.train.epochs is None
     cfg = load_config(DEFAULT, ["train.epochs=1.5"])
     assert cfg.train.epochs == 1.5 and cfg.train.steps is None
+
+
+def test_unreadable_imagefolder_exits_2_naming_the_file(tmp_path, capsys):
+    for split in ("train", "val"):
+        (tmp_path / split / "cat").mkdir(parents=True)
+        (tmp_path / split / "cat" / "broken.png").write_bytes(b"not a png")
+    code = main(["train", str(DEFAULT), "data.kind=imagefolder", f"data.path={tmp_path}",
+                 "model.spec=torch", "train.steps=1", f"run.dir={tmp_path / 'run'}",
+                 "train.tensorboard=false"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "data error" in err and "broken.png" in err

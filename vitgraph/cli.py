@@ -32,8 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
+    from vitgraph.data import DataError
     from vitgraph.train.loop import train
-    train(cfg)
+    try:
+        train(cfg)
+    except DataError as e:  # unreadable data found after start-up: still the user's input
+        print(f"vitgraph: data error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

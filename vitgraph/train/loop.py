@@ -328,7 +328,11 @@ def train_step(t: "Trainer", batches) -> tuple[torch.Tensor, float, bool]:
 
 
 def train(cfg: Config) -> dict:
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except BaseException:
+        shutdown()
+        raise
     try:
         return trainer.run()
     finally:
