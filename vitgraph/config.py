@@ -101,7 +101,6 @@ class TrainConfig:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
-    distributed_optimizer: bool = False  # GPU only
 
 
 @dataclass

@@ -164,9 +164,9 @@ def parallelize(model: ViT, cfg: Config, d: Dist):
         from megatron.core.transformer.module import Float16Module
         if model.config.bf16:
             wrapped = Float16Module(model.config, wrapped)
+        # no distributed optimizer yet: its sharded state needs megatron's dist checkpointing
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
         wrapped = DistributedDataParallel(model.config, ddp_cfg, wrapped)
         wrapped.broadcast_params()  # replicas start from rank 0's weights
     graphs = None

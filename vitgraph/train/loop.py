@@ -18,6 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vitgraph.config import Config, save_config
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval, to_model_input
 from vitgraph.models.registry import resolve_arch
+from vitgraph.models.specs import resolve_spec
 from vitgraph.models.vit import vit_flops_per_image
 from vitgraph.parallel.setup import (Dist, build_model, init_distributed, parallelize, shutdown,
                                      use_bf16)
@@ -100,9 +101,8 @@ class Trainer:
                                                    self.num_classes)
         n_params = sum(p.numel() for p in self.model.parameters())
         log.info("model: %s, spec %s, %d params on this rank, %d tokens, %.2f GFLOP/image "
-                 "(train), %s", cfg.model.name, self.model.decoder.layers[0].__class__.__name__
-                 if len(self.model.decoder.layers) else "-", n_params, self.seq_len,
-                 self.flops_per_image / 1e9, "bf16" if self.bf16 else "fp32")
+                 "(train), %s", cfg.model.name, resolve_spec(cfg.model.spec), n_params,
+                 self.seq_len, self.flops_per_image / 1e9, "bf16" if self.bf16 else "fp32")
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
@@ -205,7 +205,7 @@ class Trainer:
         window = torch.zeros(3, device=d.device)
         window_steps, window_norm, skipped = 0, 0.0, 0
         t_window = t_start = time.time()
-        evals = {}
+        resumed_at, record = self.step, {}
         while self.step < self.total_steps:
             if self.graphs is not None:
                 self.graphs.step_begin(self.step)
@@ -257,10 +257,13 @@ class Trainer:
         self._log({"step": self.step, **evals})
         log.info("eval step %d | top1 %.4f | loss %.4f", self.step, evals["eval_top1"],
                  evals["eval_loss"])
-        if self.step > 0:
+        if self.step > resumed_at:  # a finished run that is started again saves nothing new
             self.save()
-        metrics = {"step": self.step, **evals, "wall_s_this_process": wall,
-                   "model": cfg.model.name, "run_dir": str(self.run_dir)}
+        metrics = {"step": self.step, **evals,
+                   **{k: record[k] for k in ("loss", "train_top1", "images_per_s", "mfu",
+                                             "peak_mem_gib") if k in record},
+                   "wall_s_this_process": wall, "model": cfg.model.name,
+                   "run_dir": str(self.run_dir)}
         if self.graphs is not None:
             metrics["graphs"] = self.graphs.stats()
         if d.rank == 0:

@@ -71,7 +71,7 @@ def build_optimizer(model, cfg: Config, cuda: bool):
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
         bf16=model.config.bf16, params_dtype=model.config.params_dtype,
-        use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+        use_distributed_optimizer=False)
     return get_megatron_optimizer(ocfg, [model])
 
 
