@@ -46,3 +46,16 @@ def env():
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(k, None)
     return e
+
+
+def world_of_one(spec: str):
+    """A module-scoped fixture: this process as a world of one (gloo on CPU, NCCL on GPU)."""
+    @pytest.fixture(scope="module")
+    def fixture():
+        from vitgraph.config import load_config
+        from vitgraph.parallel.setup import init_distributed, shutdown
+        cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", [f"model.spec={spec}"])
+        d = init_distributed(cfg)
+        yield d
+        shutdown()
+    return fixture

@@ -6,16 +6,10 @@ from vitgraph.config import load_config
 from vitgraph.models.registry import MODELS, get_arch, resolve_arch
 from vitgraph.models.vit import vit_param_count
 
-from conftest import ROOT
+from conftest import ROOT, world_of_one
 
 
-@pytest.fixture(scope="module")
-def dist1():
-    from vitgraph.parallel.setup import init_distributed, shutdown
-    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    d = init_distributed(cfg)
-    yield d
-    shutdown()
+dist1 = world_of_one("torch")
 
 
 def build(d, *over):

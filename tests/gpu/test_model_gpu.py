@@ -4,18 +4,12 @@ import torch
 
 from vitgraph.config import load_config
 
-from conftest import ROOT
+from conftest import ROOT, world_of_one
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def dist1():
-    from vitgraph.parallel.setup import init_distributed, shutdown
-    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=te"])
-    d = init_distributed(cfg)
-    yield d
-    shutdown()
+dist1 = world_of_one("te")
 
 
 def _build(d, spec, *over):
