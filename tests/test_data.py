@@ -206,6 +206,27 @@ def test_imagefolder_workers_match(folder):
     assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
 
 
+def test_imagefolder_without_preload_decodes_the_same_batches(folder):
+    eager, eager_val = build_datasets(folder_cfg(folder), seed=0)
+    lazy, lazy_val = build_datasets(folder_cfg(folder, preload=False, workers=2), seed=0)
+    assert lazy.images.shape == eager.images.shape and len(lazy) == len(eager)
+    assert torch.equal(lazy.labels, eager.labels)
+    for index in (torch.tensor([2, 0]), slice(0, 3), slice(1, 1)):
+        assert torch.equal(lazy.images[index], eager.images[index])
+    a = MicrobatchLoader(eager, 1, 2, 0, 1, seed=3).next_step()
+    b = MicrobatchLoader(lazy, 1, 2, 0, 1, seed=3).next_step()
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    assert [torch.equal(x, y) for (x, _), (y, _) in
+            zip(iterate_eval(eager_val, 1), iterate_eval(lazy_val, 1))] == [True, True]
+
+
+def test_imagefolder_without_preload_names_a_corrupt_file_when_drawn(folder):
+    (folder / "train" / "cat" / "bad.png").write_bytes(b"not a png")
+    train, _ = build_datasets(folder_cfg(folder, preload=False), seed=0)  # no decoding yet
+    with pytest.raises(DataError, match="bad.png"):
+        train.images[torch.arange(len(train))]
+
+
 def test_imagefolder_errors(folder, tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(DataError, match=re.escape(str(missing))):

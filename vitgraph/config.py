@@ -64,6 +64,9 @@ class DataConfig:
     num_classes: int = 10  # shapes only
     cache_dir: Optional[str] = "~/.cache/vitgraph"
     workers: int = 2
+    # imagefolder: decode every image up front (fast steps, memory ~ N x size^2 x 3 bytes);
+    # false decodes each batch on demand in `workers` threads (large folders, e.g. ImageNet)
+    preload: bool = True
 
 
 @dataclass

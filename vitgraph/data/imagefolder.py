@@ -72,9 +72,43 @@ def _load_many(args):
     return np.stack([load_image(p, size) for p in paths])
 
 
+class LazyImages:
+    """Decodes on demand what ``dataset.images[index]`` asks for, in ``workers`` threads.
+
+    Stands in for the uint8 [N, H, W, 3] tensor of a preloaded split, for folders too large
+    to hold decoded in memory (ImageNet at 224 is ~190 GB as uint8). Unreadable files are
+    found when first drawn, as a DataError naming the file.
+    """
+
+    dtype = torch.uint8
+    ndim = 4
+
+    def __init__(self, paths: list[str], size: int, workers: int = 1):
+        from concurrent.futures import ThreadPoolExecutor
+        self.paths, self.size = paths, size
+        self.shape = (len(paths), size, size, 3)
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="vitgraph-decode")
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice):
+            idx = range(*index.indices(len(self.paths)))
+        else:
+            idx = torch.as_tensor(index).reshape(-1).tolist()
+        images = list(self._pool.map(lambda i: load_image(self.paths[i], self.size), idx))
+        if not images:
+            return torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
+        return torch.from_numpy(np.stack(images))
+
+
 def read_split(root: str, split: str, classes: list[str], render_size: int,
-               workers: int = 1) -> ImageDataset:
+               workers: int = 1, preload: bool = True) -> ImageDataset:
     paths, labels = list_files(os.path.join(root, split), classes)
+    if not preload:
+        return ImageDataset(LazyImages(paths, render_size, workers),  # type: ignore[arg-type]
+                            torch.tensor(labels, dtype=torch.int64), list(classes), None)
     chunk = 256
     jobs = [(paths[i:i + chunk], render_size) for i in range(0, len(paths), chunk)]
     if workers > 1 and len(jobs) > 1:
@@ -97,6 +131,7 @@ def build_imagefolder(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
     if not os.path.isdir(root):
         raise DataError(f"image folder root not found: {root}")
     classes = list_classes(os.path.join(root, "train"))
-    train = read_split(root, "train", classes, data_cfg.render_size, data_cfg.workers)
-    val = read_split(root, "val", classes, data_cfg.render_size, data_cfg.workers)
+    preload = getattr(data_cfg, "preload", True)
+    train = read_split(root, "train", classes, data_cfg.render_size, data_cfg.workers, preload)
+    val = read_split(root, "val", classes, data_cfg.render_size, data_cfg.workers, preload)
     return train, val
