@@ -127,7 +127,25 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _forward_step(self, data_iterator, model, label_smoothing=0.0):
-        return forward_step(self.d, self.arch.image_size, data_iterator, model, label_smoothing)
+        """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
+        images, labels = next(data_iterator)
+        x = None
+        if self.d.is_first_stage:
+            # Float16Module casts to bf16 on GPU; keep fp32 here
+            x = to_model_input(images, self.arch.image_size, self.d.device, torch.float32)
+        labels = labels.to(self.d.device, non_blocking=True)
+        out = model(x)
+
+        def loss_func(output):
+            output = output.float()
+            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
+            correct = (output.argmax(-1) == labels).sum()
+            # the schedule divides `loss` in place by the number of microbatches: log a clone
+            stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
+                                 torch.tensor(float(labels.numel()), device=loss.device)])
+            return loss, {"stats": stats}
+
+        return out, loss_func
 
     def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum [loss*n, correct, n] over the world: only last-stage ranks hold values, and each
@@ -137,7 +155,22 @@ class Trainer:
         return stats / self.d.tp
 
     def train_step(self, batches) -> tuple[torch.Tensor, float, bool]:
-        return train_step(self, batches)
+        """One optimizer step over ``batches`` (this rank's microbatches): zero grads, the
+        schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
+        summed over microbatches, grad norm, whether the step was applied)."""
+        if self.d.cuda:
+            self.wrapped.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self.forward_backward(
+            forward_step_func=partial(self._forward_step,
+                                      label_smoothing=self.cfg.train.label_smoothing),
+            data_iterator=iter(batches), model=[self.wrapped], num_microbatches=len(batches),
+            seq_length=self.seq_len, micro_batch_size=len(batches[0][1]), forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
+        return stats, float(grad_norm or 0.0), ok
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -288,46 +321,6 @@ class Trainer:
             self.graphs.restore()
         if shutdown_dist:
             shutdown()
-
-
-def forward_step(d: Dist, image_size: int, data_iterator, model, label_smoothing=0.0):
-    """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
-    images, labels = next(data_iterator)
-    x = None
-    if d.is_first_stage:
-        # Float16Module casts to bf16 on GPU; keep fp32 here
-        x = to_model_input(images, image_size, d.device, torch.float32)
-    labels = labels.to(d.device, non_blocking=True)
-    out = model(x)
-
-    def loss_func(output):
-        output = output.float()
-        loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
-        correct = (output.argmax(-1) == labels).sum()
-        # the schedule divides `loss` in place by the number of microbatches: log a clone
-        stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
-                             torch.tensor(float(labels.numel()), device=loss.device)])
-        return loss, {"stats": stats}
-
-    return out, loss_func
-
-
-def train_step(t: "Trainer", batches) -> tuple[torch.Tensor, float, bool]:
-    """One optimizer step over ``batches`` (this rank's microbatches): zero grads, the
-    schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
-    summed over microbatches, grad norm, whether the step was applied)."""
-    if t.d.cuda:
-        t.wrapped.zero_grad_buffer()
-    t.optimizer.zero_grad()
-    out = t.forward_backward(
-        forward_step_func=partial(t._forward_step, label_smoothing=t.cfg.train.label_smoothing),
-        data_iterator=iter(batches), model=[t.wrapped], num_microbatches=len(batches),
-        seq_length=t.seq_len, micro_batch_size=len(batches[0][1]), forward_only=False)
-    ok, grad_norm, _ = t.optimizer.step()
-    if ok:
-        t.scheduler.step(increment=1)
-    stats = sum((o["stats"] for o in out), torch.zeros(3, device=t.d.device))
-    return stats, float(grad_norm or 0.0), ok
 
 
 def train(cfg: Config) -> dict:
