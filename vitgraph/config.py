@@ -91,7 +91,12 @@ class TrainConfig:
     epochs: Optional[float] = None
     label_smoothing: float = 0.0
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | fp8 (TE spec on a GPU: FP8 GEMMs inside
+    # the encoder layers, bf16 elsewhere, fp32 master weights in the optimizer as for bf16)
+    precision: str = "auto"
+    # TE scaling recipe for precision=fp8: current (per-tensor current scaling), delayed
+    # (amax history), mxfp8 (Blackwell only: a config error on Hopper)
+    fp8_recipe: str = "current"
     log_every: int = 50
     eval_every: int = 500  # 0: only at the end
     eval_batch_size: int = 256
@@ -102,8 +107,28 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    """Layout: world = dp x tp x pp; data parallel is what is left of the world size."""
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline stages
+    # virtual stages per pipeline rank (interleaved 1F1B); 1 = plain 1F1B. Needs pp > 1, layers
+    # divisible by pp x vpp, and microbatches per step a multiple of pp
+    vpp: int = 1
+    # sequence parallel: norms, dropout and the residual stream split along the tokens across
+    # the tp ranks (needs tp > 1); tokens are padded to a multiple of tp and masked
+    sequence_parallel: bool = False
+    # GPU: shard the optimizer state (and fp32 master weights) over data-parallel ranks
+    # (megatron's distributed optimizer). It also pads every parameter's gradient to a
+    # 256-byte boundary, which TE's fused weight-gradient GEMMs need to run at full speed.
+    # The CPU path (gloo, fp32 torch AdamW) has no distributed optimizer and ignores this.
+    distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True  # GPU: reduce gradient buckets during the backward pass
+    overlap_param_gather: bool = False  # GPU, distributed optimizer: gather params in forward
+    # a collective that has not finished after this long ends the run with an error naming
+    # the rank and the operation (NCCL watchdog / gloo timeout)
+    timeout_minutes: float = 10.0
+    # NCCL user-buffer registration inside CUDA graphs (NCCL_GRAPH_REGISTER); off by default
+    # because it has hung tensor-parallel runs with graphs (Megatron-Bridge reports)
+    nccl_graph_register: bool = False
 
 
 @dataclass
@@ -142,7 +167,8 @@ CHOICES = {
     "model.spec": ("auto", "te", "torch"),
     "model.pool": ("cls", "mean"),
     "data.kind": ("shapes", "imagefolder"),
-    "train.precision": ("auto", "bf16", "fp32"),
+    "train.precision": ("auto", "bf16", "fp32", "fp8"),
+    "train.fp8_recipe": ("current", "delayed", "mxfp8"),
 }
 
 
@@ -290,9 +316,11 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("train.eval_every", t.eval_every, "must be >= 0")
 
     p = cfg.parallel
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "vpp"):
         if getattr(p, key) < 1:
             err(f"parallel.{key}", getattr(p, key), "must be >= 1")
+    if p.timeout_minutes <= 0:
+        err("parallel.timeout_minutes", p.timeout_minutes, "must be positive")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (p.tp * p.pp):
         raise ConfigError(f"{src}: parallel.tp x parallel.pp = {p.tp} x {p.pp}: world size {world} "
@@ -303,8 +331,25 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             f"not divisible by micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
     if arch.num_heads % p.tp:
         err("parallel.tp", p.tp, f"model.num_heads={arch.num_heads} is not divisible by it")
-    if arch.num_layers % p.pp:
-        err("parallel.pp", p.pp, f"model.num_layers={arch.num_layers} is not divisible by it")
+    if arch.ffn_hidden_size % p.tp:
+        err("parallel.tp", p.tp, f"model.ffn_hidden_size={arch.ffn_hidden_size} is not divisible by it")
+    if p.vpp > 1 and p.pp == 1:
+        err("parallel.vpp", p.vpp, "virtual pipeline stages need parallel.pp > 1")
+    if arch.num_layers % (p.pp * p.vpp):
+        err("parallel.pp", p.pp, f"model.num_layers={arch.num_layers} is not divisible by "
+                                 f"parallel.pp x parallel.vpp = {p.pp} x {p.vpp}")
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vpp > 1 and microbatches % p.pp:
+        err("train.global_batch_size", t.global_batch_size,
+            f"interleaved pipelining (parallel.vpp={p.vpp}) needs the microbatches per step "
+            f"({microbatches} = global / (micro x dp)) to be a multiple of parallel.pp={p.pp}")
+    if p.sequence_parallel and p.tp == 1:
+        err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
+    if t.precision == "fp8" and cfg.model.spec == "torch":
+        err("train.precision", "fp8", "FP8 needs Transformer Engine layers (model.spec=te or auto on a GPU)")
+    if t.precision == "fp8" and cfg.graphs.enabled and cfg.graphs.impl != "te":
+        err("graphs.impl", cfg.graphs.impl, "train.precision=fp8 with graphs needs graphs.impl=te "
+                                             "(TE owns the FP8 scaling state around each replay)")
 
     o = cfg.optim
     if o.lr <= 0:

@@ -2,9 +2,12 @@
 
 Layout under ``<run_dir>/checkpoints``::
 
-    step_000200/mp_rank_TT_PPP.pt   model + optimizer + schedule + data position (DP rank 0 of
-                                    each tensor/pipeline rank, as Megatron-LM names them)
-    step_000200/rng_rank_NNNNN.pt   every rank's RNG state
+    step_000200/dist/               megatron-core dist_checkpointing (torch_dist): model and
+                                    optimizer state as sharded tensors keyed by their global
+                                    (tp=1, pp=1) names, plus the common state (step, LR
+                                    schedule, data position) -- loadable at any tp/pp/vpp/dp
+                                    layout, with or without the distributed optimizer
+    step_000200/rng_rank_NNNNN.pt   every rank's RNG state, restored only at the same layout
     latest                          the name of the newest complete step directory
 
 Every rank writes into ``step_XXXXXX.tmp/`` (each file via tmp + rename); after a barrier rank 0
@@ -57,18 +60,23 @@ def _barrier():
         dist.barrier()
 
 
-def save(ckpt_dir: Path, step: int, d: Dist, state: dict, keep: int) -> Path:
-    """``state`` holds this rank's model / optimizer / scheduler / loader state dicts."""
+def _layout(d: Dist) -> dict:
+    return {"world": d.world, "tp": d.tp, "pp": d.pp, "vpp": d.vpp, "dp": d.dp}
+
+
+def save(ckpt_dir: Path, step: int, d: Dist, sharded_state: dict, keep: int) -> Path:
+    """``sharded_state``: the dict ``dist_checkpointing.save`` takes (see ``sharded_state``
+    in vitgraph.train.loop), the same structure on every rank."""
+    from megatron.core import dist_checkpointing
     final = ckpt_dir / f"step_{step:06d}"
     tmp = ckpt_dir / f"step_{step:06d}.tmp"
     if d.rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        (tmp / "dist").mkdir(parents=True)
     _barrier()
-    if d.dp_rank == 0:
-        _atomic_save({**state, "step": step}, tmp / f"mp_rank_{d.tp_rank:02d}_{d.pp_rank:03d}.pt")
-    _atomic_save(_rng_state(d), tmp / f"rng_rank_{d.rank:05d}.pt")
+    dist_checkpointing.save({**sharded_state, "step": step}, str(tmp / "dist"))
+    _atomic_save({**_rng_state(d), "layout": _layout(d)}, tmp / f"rng_rank_{d.rank:05d}.pt")
     _barrier()
     if d.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -101,14 +109,16 @@ def latest(ckpt_dir: Path) -> Path | None:
     return path
 
 
-def load(path: Path, d: Dist) -> dict:
-    """This rank's state from a complete checkpoint directory; restores the RNG state."""
-    model_file = path / f"mp_rank_{d.tp_rank:02d}_{d.pp_rank:03d}.pt"
+def load(path: Path, d: Dist, sharded_template: dict) -> dict:
+    """This rank's state from a complete checkpoint directory, loaded into the shapes of
+    ``sharded_template`` (this run's layout); restores the RNG state when the layout matches."""
+    from megatron.core import dist_checkpointing
+    if not (path / "dist").is_dir():
+        raise RuntimeError(f"{path}: no dist/ folder; not a vitgraph checkpoint of this format")
+    state = dist_checkpointing.load({**sharded_template, "step": None}, str(path / "dist"))
     rng_file = path / f"rng_rank_{d.rank:05d}.pt"
-    if not model_file.is_file():
-        raise RuntimeError(f"{model_file}: missing (was the checkpoint written with another "
-                           f"tp/pp layout?)")
-    state = torch.load(model_file, map_location=d.device, weights_only=False)
-    if rng_file.is_file():  # a different world size has other RNG files: keep fresh RNG
-        _set_rng_state(torch.load(rng_file, weights_only=False), d)
+    if rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=False)
+        if rng.get("layout") == _layout(d):  # another layout: keep this run's fresh RNG
+            _set_rng_state(rng, d)
     return state

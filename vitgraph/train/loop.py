@@ -63,6 +63,13 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _unwrap(module):
+    """The ViT chunk inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -85,8 +92,10 @@ class Trainer:
 
         self.arch = resolve_arch(cfg.model)
         self.num_classes = cfg.model.num_classes or len(self.train_set.classes)
-        self.model = build_model(cfg, d, self.num_classes)
-        self.wrapped, self.graphs = parallelize(self.model, cfg, d)
+        # this rank's model chunks: one per virtual pipeline stage (parallel.vpp)
+        self.chunks = build_model(cfg, d, self.num_classes)
+        self.model = self.chunks[0]
+        self.wrapped, self.graphs = parallelize(self.chunks, cfg, d)
         self.bf16 = use_bf16(cfg, d)
         self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda)
 
@@ -96,22 +105,34 @@ class Trainer:
                                        d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.seq_len = self.model.num_prefix + self.arch.num_patches()
+        self.seq_len = self.model.seq_len
         self.flops_per_image = vit_flops_per_image(self.arch, self.model.num_prefix,
                                                    self.num_classes)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("model: %s, spec %s, %d params on this rank, %d tokens, %.2f GFLOP/image "
+        n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
+        padded = self.model.padded_len(t.micro_batch_size)
+        log.info("model: %s, spec %s, %d params on this rank, %d tokens%s, %.2f GFLOP/image "
                  "(train), %s", cfg.model.name, resolve_spec(cfg.model.spec), n_params,
-                 self.seq_len, self.flops_per_image / 1e9, "bf16" if self.bf16 else "fp32")
+                 self.seq_len, f" (padded to {padded}, masked)" if padded > self.seq_len else "",
+                 self.flops_per_image / 1e9, self._precision_name())
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
 
         mc = self.model.config
         if d.cuda:
+            # as Megatron-LM wires its DDP chunks into the schedules: per-chunk no_sync /
+            # grad_sync (gradient reduction overlapped with the backward pass), finalize
             from megatron.core.distributed import finalize_model_grads
+
+            def per_chunk(fns):
+                return fns if len(fns) > 1 else fns[0]
+
             mc.finalize_model_grads_func = finalize_model_grads
-            mc.no_sync_func = self.wrapped.no_sync
+            mc.no_sync_func = per_chunk([w.no_sync for w in self.wrapped])
+            if cfg.parallel.overlap_grad_reduce:
+                mc.grad_sync_func = per_chunk([w.start_grad_sync for w in self.wrapped])
+            if cfg.parallel.overlap_param_gather and cfg.parallel.distributed_optimizer:
+                mc.param_sync_func = per_chunk([w.start_param_sync for w in self.wrapped])
             mc.grad_scale_func = self.optimizer.scale_loss
         self.forward_backward = get_forward_backward_func()
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -126,11 +147,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    def _precision_name(self) -> str:
+        if self.cfg.train.precision == "fp8":
+            return f"fp8 ({self.cfg.train.fp8_recipe} scaling) + bf16"
+        return "bf16" if self.bf16 else "fp32"
+
     def _forward_step(self, data_iterator, model, label_smoothing=0.0):
         """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
         images, labels = next(data_iterator)
         x = None
-        if self.d.is_first_stage:
+        if _unwrap(model).pre_process:
             # Float16Module casts to bf16 on GPU; keep fp32 here
             x = to_model_input(images, self.arch.image_size, self.d.device, torch.float32)
         labels = labels.to(self.d.device, non_blocking=True)
@@ -159,13 +185,16 @@ class Trainer:
         schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
         summed over microbatches, grad norm, whether the step was applied)."""
         if self.d.cuda:
-            self.wrapped.zero_grad_buffer()
+            for w in self.wrapped:
+                w.zero_grad_buffer()
         self.optimizer.zero_grad()
+        mb = len(batches[0][1])
         out = self.forward_backward(
             forward_step_func=partial(self._forward_step,
                                       label_smoothing=self.cfg.train.label_smoothing),
-            data_iterator=iter(batches), model=[self.wrapped], num_microbatches=len(batches),
-            seq_length=self.seq_len, micro_batch_size=len(batches[0][1]), forward_only=False)
+            data_iterator=[iter(batches) for _ in self.wrapped], model=self.wrapped,
+            num_microbatches=len(batches), seq_length=self.model.padded_len(mb),
+            micro_batch_size=mb, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -174,27 +203,39 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        self.wrapped.eval()
+        for w in self.wrapped:
+            w.eval()
         total = torch.zeros(3, device=self.d.device)
         for images, labels in iterate_eval(self.val_set, self.cfg.train.eval_batch_size,
                                            self.d.dp_rank, self.d.dp):
             out = self.forward_backward(
-                forward_step_func=self._forward_step, data_iterator=iter([(images, labels)]),
-                model=[self.wrapped], num_microbatches=1, seq_length=self.seq_len,
-                micro_batch_size=len(labels), forward_only=True)
+                forward_step_func=self._forward_step,
+                data_iterator=[iter([(images, labels)]) for _ in self.wrapped],
+                model=self.wrapped, num_microbatches=1,
+                seq_length=self.model.padded_len(len(labels)), micro_batch_size=len(labels),
+                forward_only=True)
             for o in out:
                 total += o["stats"]
-        self.wrapped.train()
+        for w in self.wrapped:
+            w.train()
         loss_sum, correct, n = self._reduce(total).tolist()
         return {"eval_loss": loss_sum / max(n, 1), "eval_top1": correct / max(n, 1),
                 "eval_images": int(n)}
 
     # ------------------------------------------------------------------ checkpoints
 
+    def sharded_state(self, is_loading: bool = False) -> dict:
+        """What a checkpoint holds, as megatron-core's dist_checkpointing takes it: model
+        chunks and optimizer as sharded tensors with global names (any layout can load
+        them), schedule and data position as common state."""
+        model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
+        optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader.state_dict()}
+
     def save(self) -> None:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict()}
-        path = checkpoint.save(self.ckpt_dir, self.step, self.d, state, self.cfg.checkpoint.keep)
+        path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
+                               self.cfg.checkpoint.keep)
         log.info("checkpoint: %s", path)
 
     def maybe_resume(self) -> None:
@@ -203,8 +244,9 @@ class Trainer:
         path = checkpoint.latest(self.ckpt_dir)
         if path is None:
             return
-        state = checkpoint.load(path, self.d)
-        self.model.load_state_dict(state["model"])
+        state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True))
+        for i, c in enumerate(self.chunks):
+            c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
