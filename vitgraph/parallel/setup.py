@@ -15,6 +15,7 @@ parallelism and CUDA graphs are applied to the model, in this order:
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import socket
@@ -32,6 +33,8 @@ from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import get_layer_spec, resolve_spec
 from vitgraph.models.vit import ViT
 from vitgraph.parallel import cpu_shims
+
+log = logging.getLogger("vitgraph")
 
 
 @dataclass
@@ -228,6 +231,23 @@ def build_model(cfg: Config, d: Dist, num_classes: int) -> list[ViT]:
     return chunks
 
 
+ALIGN_BYTES = 256
+
+
+def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
+    """Parameters whose main_grad (megatron DDP's fp32 gradient view) does not start on an
+    ``align``-byte boundary. TE accumulates weight gradients straight into main_grad, and
+    cuBLAS drops to slow kernels for unaligned output (a 10-class head cost 2x in step time:
+    DESIGN.md). megatron pads every parameter's start only with the distributed optimizer."""
+    out = []
+    for w in wrapped:
+        for name, p in w.named_parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None and g.data_ptr() % align:
+                out.append(name)
+    return out
+
+
 def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
     """Apply precision, data parallelism and graphs (in that order) to every chunk.
     Returns (wrapped chunks, graph manager or None)."""
@@ -250,6 +270,12 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
             chunk.broadcast_params()  # replicas start from the same weights (they already do)
             out.append(chunk)
         wrapped = out
+        bad = misaligned(wrapped)
+        if bad:
+            log.warning("%d parameters have a main_grad off a 256-byte boundary (%s...): TE's fused "
+                        "weight-gradient GEMMs fall back to slow kernels for them. "
+                        "parallel.distributed_optimizer=true pads every one.", len(bad),
+                        ", ".join(bad[:3]))
     graphs = None
     if cfg.graphs.enabled:
         from vitgraph.graphs import GraphManager
