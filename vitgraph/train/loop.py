@@ -63,6 +63,19 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _split_padded(images, labels, k: int) -> list:
+    """One eval batch as ``k`` equal microbatches, filled up with copies of the first image
+    labelled -1 (not counted)."""
+    if k == 1:
+        return [(images, labels)]
+    m = -(-len(labels) // k)
+    pad = m * k - len(labels)
+    if pad:
+        images = torch.cat([images, images[:1].expand(pad, *images.shape[1:])])
+        labels = torch.cat([labels, labels.new_full((pad,), -1)])
+    return list(zip(images.split(m), labels.split(m)))
+
+
 def _unwrap(module):
     """The ViT chunk inside DDP / Float16Module wrappers."""
     while hasattr(module, "module"):
@@ -164,11 +177,14 @@ class Trainer:
 
         def loss_func(output):
             output = output.float()
-            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
-            correct = (output.argmax(-1) == labels).sum()
+            valid = labels >= 0  # -1: a sample that only fills an eval microbatch
+            n = valid.sum()
+            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing,
+                                   ignore_index=-1)
+            correct = ((output.argmax(-1) == labels) & valid).sum()
             # the schedule divides `loss` in place by the number of microbatches: log a clone
-            stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
-                                 torch.tensor(float(labels.numel()), device=loss.device)])
+            total = torch.where(n > 0, loss.detach().clone() * n, 0.0)
+            stats = torch.stack([total, correct.float(), n.float()])
             return loss, {"stats": stats}
 
         return out, loss_func
@@ -206,13 +222,16 @@ class Trainer:
         for w in self.wrapped:
             w.eval()
         total = torch.zeros(3, device=self.d.device)
+        # the interleaved schedule needs at least pp microbatches
+        k = self.d.pp if self.d.vpp > 1 else 1
         for images, labels in iterate_eval(self.val_set, self.cfg.train.eval_batch_size,
                                            self.d.dp_rank, self.d.dp):
+            mbs = _split_padded(images, labels, k)
+            mb = len(mbs[0][1])
             out = self.forward_backward(
                 forward_step_func=self._forward_step,
-                data_iterator=[iter([(images, labels)]) for _ in self.wrapped],
-                model=self.wrapped, num_microbatches=1,
-                seq_length=self.model.padded_len(len(labels)), micro_batch_size=len(labels),
+                data_iterator=[iter(mbs) for _ in self.wrapped], model=self.wrapped,
+                num_microbatches=k, seq_length=self.model.padded_len(mb), micro_batch_size=mb,
                 forward_only=True)
             for o in out:
                 total += o["stats"]
