@@ -52,6 +52,11 @@ class ModelConfig:
     # TE spec on GPU: weight-gradient GEMMs accumulate straight into megatron DDP's fp32
     # main_grad (no per-parameter accumulation hook work); ignored by the torch spec
     gradient_accumulation_fusion: bool = True
+    # start from these weights (.safetensors, .pth, .bin; timm, Hugging Face or vitgraph names,
+    # see vitgraph/convert). A head of another class count is re-initialised, position
+    # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
+    init_from: Optional[str] = None
+    init_format: str = "auto"  # auto | timm | hf | open_clip | vitgraph
 
 
 @dataclass
@@ -141,6 +146,7 @@ class Config:
 CHOICES = {
     "model.spec": ("auto", "te", "torch"),
     "model.pool": ("cls", "mean"),
+    "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
     "data.kind": ("shapes", "imagefolder"),
     "train.precision": ("auto", "bf16", "fp32"),
 }
@@ -275,6 +281,9 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             f"not divisible by model.patch_size={arch.patch_size}")
     if arch.hidden_size % arch.num_heads:
         err("model.hidden_size", arch.hidden_size, f"not divisible by model.num_heads={arch.num_heads}")
+
+    if cfg.model.init_from and not Path(cfg.model.init_from).expanduser().is_file():
+        err("model.init_from", cfg.model.init_from, "no such file")
 
     t = cfg.train
     for key in ("global_batch_size", "micro_batch_size", "eval_batch_size", "log_every"):

@@ -86,6 +86,9 @@ class Trainer:
         self.arch = resolve_arch(cfg.model)
         self.num_classes = cfg.model.num_classes or len(self.train_set.classes)
         self.model = build_model(cfg, d, self.num_classes)
+        if cfg.model.init_from:
+            from vitgraph.convert import init_from
+            init_from(self.model, cfg.model.init_from, cfg.model.init_format)
         self.wrapped, self.graphs = parallelize(self.model, cfg, d)
         self.bf16 = use_bf16(cfg, d)
         self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda)
