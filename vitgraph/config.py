@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
+from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
 
 
@@ -72,6 +73,9 @@ class DataConfig:
     # imagefolder: decode every image up front (fast steps, memory ~ N x size^2 x 3 bytes);
     # false decodes each batch on demand in `workers` threads (large folders, e.g. ImageNet)
     preload: bool = True
+    # training-time augmentation, batched on the device (vitgraph/data/augment.py); off for
+    # held-out data always
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
 @dataclass
@@ -269,6 +273,7 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             err(key, value, f"must be one of {', '.join(choices)}")
     try:
         cfg.graphs.validate()
+        cfg.data.augment.validate()
     except ValueError as e:
         raise ConfigError(f"{src}: {e}") from None
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph.config import Config, save_config
-from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval, to_model_input
+from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
+from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import resolve_spec
 from vitgraph.models.vit import vit_flops_per_image
@@ -99,6 +100,10 @@ class Trainer:
                                        d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.augment = None
+        if cfg.data.augment.enabled:
+            self.augment = BatchAugment(cfg.data.augment, self.arch.image_size, self.num_classes,
+                                        t.label_smoothing, t.seed, d.dp_rank)
         self.seq_len = self.model.num_prefix + self.arch.num_patches()
         self.flops_per_image = vit_flops_per_image(self.arch, self.model.num_prefix,
                                                    self.num_classes)
@@ -131,17 +136,19 @@ class Trainer:
 
     def _forward_step(self, data_iterator, model, label_smoothing=0.0):
         """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
-        images, labels = next(data_iterator)
-        x = None
-        if self.d.is_first_stage:
-            # Float16Module casts to bf16 on GPU; keep fp32 here
-            x = to_model_input(images, self.arch.image_size, self.d.device, torch.float32)
+        images, labels, key = next(data_iterator)  # key: (step, microbatch); None in eval
+        # Float16Module casts to bf16 on GPU; keep fp32 here. Training microbatches are
+        # augmented on the device when data.augment is on; targets may come back mixed (soft)
+        x, targets = prepare_batch(self.augment, images, labels, key, self.arch.image_size,
+                                   self.d.device, torch.float32, self.d.is_first_stage)
         labels = labels.to(self.d.device, non_blocking=True)
+        if targets.is_floating_point():
+            label_smoothing = 0.0  # folded into the mixed targets
         out = model(x)
 
         def loss_func(output):
             output = output.float()
-            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
+            loss = F.cross_entropy(output, targets, label_smoothing=label_smoothing)
             correct = (output.argmax(-1) == labels).sum()
             # the schedule divides `loss` in place by the number of microbatches: log a clone
             stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
@@ -167,7 +174,8 @@ class Trainer:
         out = self.forward_backward(
             forward_step_func=partial(self._forward_step,
                                       label_smoothing=self.cfg.train.label_smoothing),
-            data_iterator=iter(batches), model=[self.wrapped], num_microbatches=len(batches),
+            data_iterator=iter([(im, lb, (self.step, i)) for i, (im, lb) in enumerate(batches)]),
+            model=[self.wrapped], num_microbatches=len(batches),
             seq_length=self.seq_len, micro_batch_size=len(batches[0][1]), forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -182,7 +190,8 @@ class Trainer:
         for images, labels in iterate_eval(self.val_set, self.cfg.train.eval_batch_size,
                                            self.d.dp_rank, self.d.dp):
             out = self.forward_backward(
-                forward_step_func=self._forward_step, data_iterator=iter([(images, labels)]),
+                forward_step_func=self._forward_step,
+                data_iterator=iter([(images, labels, None)]),
                 model=[self.wrapped], num_microbatches=1, seq_length=self.seq_len,
                 micro_batch_size=len(labels), forward_only=True)
             for o in out:
