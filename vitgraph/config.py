@@ -62,8 +62,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "shapes"  # shapes (embedded, procedural) | imagefolder
-    path: Optional[str] = None  # imagefolder root holding train/ and val/
+    kind: str = "shapes"  # shapes (embedded, procedural) | imagefolder | webdataset
+    # imagefolder: root holding train/ and val/; webdataset: folder of train-*.tar, val-*.tar
+    path: Optional[str] = None
     num_train: int = 50000  # shapes only
     num_val: int = 2000  # shapes only
     render_size: int = 32  # size images are drawn / decoded at; resized to model.image_size
@@ -76,6 +77,11 @@ class DataConfig:
     # training-time augmentation, batched on the device (vitgraph/data/augment.py); off for
     # held-out data always
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
+    # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
+    decode: str = "cpu"
+    # webdataset: shards are shuffled, and samples within windows of this many shards
+    shuffle_shards: int = 4
 
 
 @dataclass
@@ -151,7 +157,8 @@ CHOICES = {
     "model.spec": ("auto", "te", "torch"),
     "model.pool": ("cls", "mean"),
     "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
-    "data.kind": ("shapes", "imagefolder"),
+    "data.kind": ("shapes", "imagefolder", "webdataset"),
+    "data.decode": ("cpu", "cuda", "auto"),
     "train.precision": ("auto", "bf16", "fp32"),
 }
 
@@ -338,6 +345,12 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         for split in ("train", "val"):
             if not (root / split).is_dir():
                 err("data.path", d.path, f"has no {split}/ folder")
+    elif d.kind == "webdataset":
+        if not d.path or not Path(d.path).expanduser().is_dir():
+            err("data.path", d.path, "data.kind=webdataset needs data.path (a folder of "
+                "train-*.tar and val-*.tar shards)")
+        if d.shuffle_shards < 1:
+            err("data.shuffle_shards", d.shuffle_shards, "must be >= 1")
     elif d.num_train <= 0 or d.num_val <= 0:
         err("data.num_train", d.num_train, "data.num_train and data.num_val must be positive")
     if d.render_size <= 0:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitgraph.data.loader import MEAN, STD
+from vitgraph.data.loader import MEAN, STD, to_device_uint8
 
 GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
 COLOUR = ("identity", "autocontrast", "equalize", "brightness", "color", "contrast",
@@ -174,7 +174,7 @@ class BatchAugment:
                dtype=torch.float32) -> torch.Tensor:
         """uint8 [b, H, W, 3] -> augmented, normalized [b, 3, S, S] of ``dtype`` on ``device``."""
         c, s = self.cfg, self.image_size
-        x = images_uint8.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+        x = to_device_uint8(images_uint8, device).permute(0, 3, 1, 2).float().div_(255)
         b = x.shape[0]
         rng = _rng(self.seed, (self.rank, *key), 1)
         w, h, cx, cy, flip = self._crop_params(rng, b)
