@@ -509,3 +509,31 @@ def test_device_decode_path_with_a_stand_in_decoder(shards):
     want = cpu.images[torch.tensor([3, 1, 7])]
     assert got.shape == want.shape and got.dtype == torch.uint8
     assert (got.float() - want.float()).abs().mean() < 2  # same size: no resize, same pixels
+
+
+def test_cache_one_entry_per_dataset_whatever_the_run_seed_and_bounded(tmp_path):
+    cache = tmp_path / "cache"
+    cfg = shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=0)
+    a, _ = build_datasets(cfg, seed=1)
+    b, _ = build_datasets(cfg, seed=2)  # another run seed, the same data and cache entries
+    assert torch.equal(a.images, b.images) and len(os.listdir(cache)) == 2
+    seed0 = set(os.listdir(cache))
+    c, _ = build_datasets(shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=5), 1)
+    assert not torch.equal(a.images, c.images) and len(os.listdir(cache)) == 4
+    seed5 = set(os.listdir(cache)) - seed0
+    size = sum(os.path.getsize(cache / f) for f in seed0)  # one dataset: train + val
+    for f in os.listdir(cache):
+        os.utime(cache / f, (1, 1))  # long unused
+    build_datasets(cfg, seed=3)  # a read makes seed 0's entries the most recently used
+    # a cap of 2.5 datasets: writing a third evicts the least recently used (seed 5's)
+    capped = shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=6,
+                        cache_max_mb=2.5 * size / 2**20)
+    build_datasets(capped, seed=1)
+    files = set(os.listdir(cache))
+    assert seed0 <= files and not seed5 & files and len(files) == 4
+    assert sum(os.path.getsize(cache / f) for f in files) <= 2.5 * size
+    d, _ = build_datasets(shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=0,
+                                     cache_max_mb=1e-6), seed=1)  # read: kept, others go
+    assert torch.equal(d.images, a.images)
+    from vitgraph.data.shapes import prune_cache
+    assert prune_cache(str(cache), 0) and os.listdir(cache) == []

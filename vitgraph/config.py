@@ -69,7 +69,13 @@ class DataConfig:
     num_val: int = 2000  # shapes only
     render_size: int = 32  # size images are drawn / decoded at; resized to model.image_size
     num_classes: int = 10  # shapes only
+    # shapes: the dataset's own seed; runs with other train.seed values share its cache entry
+    # (null: derive the data from train.seed)
+    seed: Optional[int] = 0
+    # generated datasets are cached here (`vitgraph cache` shows it, `vitgraph cache --clear`
+    # empties it), least recently used first out beyond cache_max_mb
     cache_dir: Optional[str] = "~/.cache/vitgraph"
+    cache_max_mb: float = 1024.0
     workers: int = 2
     # imagefolder: decode every image up front (fast steps, memory ~ N x size^2 x 3 bytes);
     # false decodes each batch on demand in `workers` threads (large folders, e.g. ImageNet)
