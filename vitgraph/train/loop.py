@@ -29,7 +29,7 @@ from vitgraph.train.optim import build_optimizer, build_scheduler
 log = logging.getLogger("vitgraph")
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
+def _setup_logging(run_dir: Path, rank: int, to_file: bool = True) -> None:
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
@@ -37,7 +37,10 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
         log.addHandler(logging.NullHandler())
         return
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if to_file:
+        handlers.append(logging.FileHandler(run_dir / "train.log"))
+    for h in handlers:
         h.setFormatter(fmt)
         log.addHandler(h)
 
@@ -65,16 +68,18 @@ class Progress:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, readonly: bool = False):
+        """``readonly`` (``vitgraph eval``): write nothing into the run directory (no config,
+        train.log or TensorBoard files); log to stdout only."""
         self.cfg = cfg
         self.d: Dist = init_distributed(cfg)
         d = self.d
         self.run_dir = cfg.run_dir
-        if d.rank == 0:
+        if d.rank == 0 and not readonly:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         dist.barrier()
-        _setup_logging(self.run_dir, d.rank)
+        _setup_logging(self.run_dir, d.rank, to_file=not readonly)
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  torch.cuda.get_device_name() if d.cuda else "CPU (gloo, shims active)")
 
@@ -87,7 +92,7 @@ class Trainer:
         self.arch = resolve_arch(cfg.model)
         self.num_classes = cfg.model.num_classes or len(self.train_set.classes)
         self.model = build_model(cfg, d, self.num_classes)
-        if cfg.model.init_from:
+        if cfg.model.init_from and not readonly:
             from vitgraph.convert import init_from
             init_from(self.model, cfg.model.init_from, cfg.model.init_format)
         self.wrapped, self.graphs = parallelize(self.model, cfg, d)
@@ -125,7 +130,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.step = 0
         self.writer = None
-        if d.rank == 0 and t.tensorboard:
+        if d.rank == 0 and t.tensorboard and not readonly:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         if d.cuda:
@@ -184,10 +189,11 @@ class Trainer:
         return stats, float(grad_norm or 0.0), ok
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, dataset=None) -> dict:
+        """Loss and top-1 on ``dataset`` (default the held-out split), never augmented."""
         self.wrapped.eval()
         total = torch.zeros(3, device=self.d.device)
-        for images, labels in iterate_eval(self.val_set, self.cfg.train.eval_batch_size,
+        for images, labels in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
                                            self.d.dp_rank, self.d.dp):
             out = self.forward_backward(
                 forward_step_func=self._forward_step,
