@@ -537,3 +537,36 @@ def test_cache_one_entry_per_dataset_whatever_the_run_seed_and_bounded(tmp_path)
     assert torch.equal(d.images, a.images)
     from vitgraph.data.shapes import prune_cache
     assert prune_cache(str(cache), 0) and os.listdir(cache) == []
+
+
+def test_bench_data_runs_on_cpu(tmp_path, env):
+    import json
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--synthetic", "40",
+                    "--synthetic-size", "64x48", "--batch", "8", "--steps", "2", "--warmup", "1",
+                    "--image-size", "32", "--workers", "1", "--augment", "--decode", "cpu",
+                    "--out", str(out)], check=True, capture_output=True, env=env, timeout=300)
+    result = json.loads(out.read_text())
+    row = result["rows"][0]
+    assert row["images_per_s"] > 0 and row["shape"] == [8, 3, 32, 32] and row["decode"] == "cpu"
+    assert result["provenance"]["torch"] == torch.__version__
+
+
+def test_training_from_shards_with_augmentation(shards, tmp_path, env):
+    import json
+    import subprocess
+    from conftest import ROOT, tiny_overrides, vitgraph_cmd
+    _, out = shards
+    over = tiny_overrides(tmp_path / "run", steps=6, **{
+        "data.kind": "webdataset", "data.path": str(out), "data.render_size": 24,
+        "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_batch_size": 10,
+        "data.augment.enabled": "true"})
+    p = subprocess.run(vitgraph_cmd("train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"), *over),
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["step"] == 6 and metrics["eval_images"] == 20
+    assert 0 < metrics["loss"] < 10
