@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
+from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
 
 
@@ -52,21 +53,41 @@ class ModelConfig:
     # TE spec on GPU: weight-gradient GEMMs accumulate straight into megatron DDP's fp32
     # main_grad (no per-parameter accumulation hook work); ignored by the torch spec
     gradient_accumulation_fusion: bool = True
+    # start from these weights (.safetensors, .pth, .bin; timm, Hugging Face or vitgraph names,
+    # see vitgraph/convert). A head of another class count is re-initialised, position
+    # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
+    init_from: Optional[str] = None
+    init_format: str = "auto"  # auto | timm | hf | open_clip | vitgraph
 
 
 @dataclass
 class DataConfig:
-    kind: str = "shapes"  # shapes (embedded, procedural) | imagefolder
-    path: Optional[str] = None  # imagefolder root holding train/ and val/
+    kind: str = "shapes"  # shapes (embedded, procedural) | imagefolder | webdataset
+    # imagefolder: root holding train/ and val/; webdataset: folder of train-*.tar, val-*.tar
+    path: Optional[str] = None
     num_train: int = 50000  # shapes only
     num_val: int = 2000  # shapes only
     render_size: int = 32  # size images are drawn / decoded at; resized to model.image_size
     num_classes: int = 10  # shapes only
+    # shapes: the dataset's own seed; runs with other train.seed values share its cache entry
+    # (null: derive the data from train.seed)
+    seed: Optional[int] = 0
+    # generated datasets are cached here (`vitgraph cache` shows it, `vitgraph cache --clear`
+    # empties it), least recently used first out beyond cache_max_mb
     cache_dir: Optional[str] = "~/.cache/vitgraph"
+    cache_max_mb: float = 1024.0
     workers: int = 2
     # imagefolder: decode every image up front (fast steps, memory ~ N x size^2 x 3 bytes);
     # false decodes each batch on demand in `workers` threads (large folders, e.g. ImageNet)
     preload: bool = True
+    # training-time augmentation, batched on the device (vitgraph/data/augment.py); off for
+    # held-out data always
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
+    # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
+    decode: str = "cpu"
+    # webdataset: shards are shuffled, and samples within windows of this many shards
+    shuffle_shards: int = 4
 
 
 @dataclass
@@ -166,7 +187,9 @@ class Config:
 CHOICES = {
     "model.spec": ("auto", "te", "torch"),
     "model.pool": ("cls", "mean"),
-    "data.kind": ("shapes", "imagefolder"),
+    "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
+    "data.kind": ("shapes", "imagefolder", "webdataset"),
+    "data.decode": ("cpu", "cuda", "auto"),
     "train.precision": ("auto", "bf16", "fp32", "fp8"),
     "train.fp8_recipe": ("current", "delayed", "mxfp8"),
 }
@@ -289,6 +312,7 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             err(key, value, f"must be one of {', '.join(choices)}")
     try:
         cfg.graphs.validate()
+        cfg.data.augment.validate()
     except ValueError as e:
         raise ConfigError(f"{src}: {e}") from None
 
@@ -301,6 +325,9 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             f"not divisible by model.patch_size={arch.patch_size}")
     if arch.hidden_size % arch.num_heads:
         err("model.hidden_size", arch.hidden_size, f"not divisible by model.num_heads={arch.num_heads}")
+
+    if cfg.model.init_from and not Path(cfg.model.init_from).expanduser().is_file():
+        err("model.init_from", cfg.model.init_from, "no such file")
 
     t = cfg.train
     for key in ("global_batch_size", "micro_batch_size", "eval_batch_size", "log_every"):
@@ -369,6 +396,12 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         for split in ("train", "val"):
             if not (root / split).is_dir():
                 err("data.path", d.path, f"has no {split}/ folder")
+    elif d.kind == "webdataset":
+        if not d.path or not Path(d.path).expanduser().is_dir():
+            err("data.path", d.path, "data.kind=webdataset needs data.path (a folder of "
+                "train-*.tar and val-*.tar shards)")
+        if d.shuffle_shards < 1:
+            err("data.shuffle_shards", d.shuffle_shards, "must be >= 1")
     elif d.num_train <= 0 or d.num_val <= 0:
         err("data.num_train", d.num_train, "data.num_train and data.num_val must be positive")
     if d.render_size <= 0:

@@ -24,20 +24,22 @@ import torch
 
 
 def global_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local parameter name -> global (tp=1, pp=1) name for one model chunk."""
+    """Local state-dict name -> global (tp=1, pp=1) name for one model chunk (TE's
+    ``_extra_state`` entries left out)."""
     offsets = {}
     decoder = getattr(model, "decoder", None)
     for i, layer in enumerate(getattr(decoder, "layers", [])):
         offsets[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
     out = {}
-    for name, _ in model.named_parameters():
-        for local, glob in offsets.items():
+    for name in model.state_dict(keep_vars=True):
+        if name.endswith("_extra_state"):
+            continue
+        glob = name
+        for local, g in offsets.items():
             if name.startswith(local):
-                name_g = glob + name[len(local):]
+                glob = g + name[len(local):]
                 break
-        else:
-            name_g = name
-        out[name] = name_g
+        out[name] = glob
     return out
 
 

@@ -28,6 +28,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from vitgraph.models.registry import ViTArch
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The ViT inside megatron's DDP / Float16Module wrappers."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
 class ViT(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, arch: ViTArch,
                  num_classes: int, *, num_registers: int = 0, class_token: bool = True,

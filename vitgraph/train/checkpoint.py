@@ -7,6 +7,9 @@ Layout under ``<run_dir>/checkpoints``::
                                     (tp=1, pp=1) names, plus the common state (step, LR
                                     schedule, data position) -- loadable at any tp/pp/vpp/dp
                                     layout, with or without the distributed optimizer
+    step_000200/model.safetensors   the model weights alone, full (tp=1) tensors with global
+                                    names: ``safetensors`` / ``torch.load(weights_only=True)``
+                                    readers, ``vitgraph export``
     step_000200/rng_rank_NNNNN.pt   every rank's RNG state, restored only at the same layout
     latest                          the name of the newest complete step directory
 
@@ -79,6 +82,9 @@ def save(ckpt_dir: Path, step: int, d: Dist, sharded_state: dict, keep: int) -> 
     _atomic_save({**_rng_state(d), "layout": _layout(d)}, tmp / f"rng_rank_{d.rank:05d}.pt")
     _barrier()
     if d.rank == 0:
+        from vitgraph.convert import read_dist_weights, save_safetensors
+        weights, _ = read_dist_weights(tmp / "dist")
+        save_safetensors(weights, tmp / "model.safetensors", metadata={"step": step})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = ckpt_dir / "latest.partial"
@@ -122,3 +128,14 @@ def load(path: Path, d: Dist, sharded_template: dict) -> dict:
         if rng.get("layout") == _layout(d):  # another layout: keep this run's fresh RNG
             _set_rng_state(rng, d)
     return state
+
+
+def load_model(path: Path, chunks: list) -> int:
+    """Only the model weights of a checkpoint into ``chunks`` (this rank's, any layout);
+    returns the checkpoint's step."""
+    from megatron.core import dist_checkpointing
+    template = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    state = dist_checkpointing.load(template, str(path / "dist"))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(state[f"model{i}"])
+    return int(state.get("step", 0))

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph.config import Config, save_config
-from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval, to_model_input
+from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
+from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import resolve_spec
-from vitgraph.models.vit import vit_flops_per_image
+from vitgraph.models.vit import unwrap, vit_flops_per_image
 from vitgraph.parallel.setup import (Dist, build_model, init_distributed, parallelize, shutdown,
                                      use_bf16)
 from vitgraph.train import checkpoint
@@ -28,7 +29,7 @@ from vitgraph.train.optim import build_optimizer, build_scheduler
 log = logging.getLogger("vitgraph")
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
+def _setup_logging(run_dir: Path, rank: int, to_file: bool = True) -> None:
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
@@ -36,7 +37,10 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
         log.addHandler(logging.NullHandler())
         return
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if to_file:
+        handlers.append(logging.FileHandler(run_dir / "train.log"))
+    for h in handlers:
         h.setFormatter(fmt)
         log.addHandler(h)
 
@@ -76,24 +80,19 @@ def _split_padded(images, labels, k: int) -> list:
     return list(zip(images.split(m), labels.split(m)))
 
 
-def _unwrap(module):
-    """The ViT chunk inside DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, readonly: bool = False):
+        """``readonly`` (``vitgraph eval``): write nothing into the run directory (no config,
+        train.log or TensorBoard files); log to stdout only."""
         self.cfg = cfg
         self.d: Dist = init_distributed(cfg)
         d = self.d
         self.run_dir = cfg.run_dir
-        if d.rank == 0:
+        if d.rank == 0 and not readonly:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         dist.barrier()
-        _setup_logging(self.run_dir, d.rank)
+        _setup_logging(self.run_dir, d.rank, to_file=not readonly)
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  torch.cuda.get_device_name() if d.cuda else "CPU (gloo, shims active)")
 
@@ -108,6 +107,10 @@ class Trainer:
         # this rank's model chunks: one per virtual pipeline stage (parallel.vpp)
         self.chunks = build_model(cfg, d, self.num_classes)
         self.model = self.chunks[0]
+        if cfg.model.init_from and not readonly:
+            from vitgraph.convert import init_from
+            for chunk in self.chunks:
+                init_from(chunk, cfg.model.init_from, cfg.model.init_format)
         self.wrapped, self.graphs = parallelize(self.chunks, cfg, d)
         self.bf16 = use_bf16(cfg, d)
         self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda)
@@ -118,6 +121,10 @@ class Trainer:
                                        d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.augment = None
+        if cfg.data.augment.enabled:
+            self.augment = BatchAugment(cfg.data.augment, self.arch.image_size, self.num_classes,
+                                        t.label_smoothing, t.seed, d.dp_rank)
         self.seq_len = self.model.seq_len
         self.flops_per_image = vit_flops_per_image(self.arch, self.model.num_prefix,
                                                    self.num_classes)
@@ -151,7 +158,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.step = 0
         self.writer = None
-        if d.rank == 0 and t.tensorboard:
+        if d.rank == 0 and t.tensorboard and not readonly:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         if d.cuda:
@@ -167,19 +174,21 @@ class Trainer:
 
     def _forward_step(self, data_iterator, model, label_smoothing=0.0):
         """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
-        images, labels = next(data_iterator)
-        x = None
-        if _unwrap(model).pre_process:
-            # Float16Module casts to bf16 on GPU; keep fp32 here
-            x = to_model_input(images, self.arch.image_size, self.d.device, torch.float32)
+        images, labels, key = next(data_iterator)  # key: (step, microbatch); None in eval
+        # Float16Module casts to bf16 on GPU; keep fp32 here. Training microbatches are
+        # augmented on the device when data.augment is on; targets may come back mixed (soft)
+        x, targets = prepare_batch(self.augment, images, labels, key, self.arch.image_size,
+                                   self.d.device, torch.float32, unwrap(model).pre_process)
         labels = labels.to(self.d.device, non_blocking=True)
+        if targets.is_floating_point():
+            label_smoothing = 0.0  # folded into the mixed targets
         out = model(x)
 
         def loss_func(output):
             output = output.float()
             valid = labels >= 0  # -1: a sample that only fills an eval microbatch
             n = valid.sum()
-            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing,
+            loss = F.cross_entropy(output, targets, label_smoothing=label_smoothing,
                                    ignore_index=-1)
             correct = ((output.argmax(-1) == labels) & valid).sum()
             # the schedule divides `loss` in place by the number of microbatches: log a clone
@@ -208,9 +217,10 @@ class Trainer:
         out = self.forward_backward(
             forward_step_func=partial(self._forward_step,
                                       label_smoothing=self.cfg.train.label_smoothing),
-            data_iterator=[iter(batches) for _ in self.wrapped], model=self.wrapped,
-            num_microbatches=len(batches), seq_length=self.model.padded_len(mb),
-            micro_batch_size=mb, forward_only=False)
+            data_iterator=[iter([(im, lb, (self.step, i)) for i, (im, lb) in enumerate(batches)])
+                           for _ in self.wrapped],
+            model=self.wrapped, num_microbatches=len(batches),
+            seq_length=self.model.padded_len(mb), micro_batch_size=mb, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -218,21 +228,22 @@ class Trainer:
         return stats, float(grad_norm or 0.0), ok
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, dataset=None) -> dict:
+        """Loss and top-1 on ``dataset`` (default the held-out split), never augmented."""
         for w in self.wrapped:
             w.eval()
         total = torch.zeros(3, device=self.d.device)
         # the interleaved schedule needs at least pp microbatches
         k = self.d.pp if self.d.vpp > 1 else 1
-        for images, labels in iterate_eval(self.val_set, self.cfg.train.eval_batch_size,
+        for images, labels in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
                                            self.d.dp_rank, self.d.dp):
             mbs = _split_padded(images, labels, k)
             mb = len(mbs[0][1])
             out = self.forward_backward(
                 forward_step_func=self._forward_step,
-                data_iterator=[iter(mbs) for _ in self.wrapped], model=self.wrapped,
-                num_microbatches=k, seq_length=self.model.padded_len(mb), micro_batch_size=mb,
-                forward_only=True)
+                data_iterator=[iter([(im, lb, None) for im, lb in mbs]) for _ in self.wrapped],
+                model=self.wrapped, num_microbatches=k, seq_length=self.model.padded_len(mb),
+                micro_batch_size=mb, forward_only=True)
             for o in out:
                 total += o["stats"]
         for w in self.wrapped:
