@@ -259,7 +259,10 @@ class Trainer:
         chunks and optimizer as sharded tensors with global names (any layout can load
         them), schedule and data position as common state."""
         model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
-        optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        # fully_reshardable: the distributed optimizer's state gathered into per-parameter
+        # tensors named after the model's (megatron's other formats reshard only across dp)
+        optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
+            "distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True})
         return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
                 "loader": self.loader.state_dict()}
 
