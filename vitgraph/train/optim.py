@@ -50,8 +50,8 @@ class CpuOptimizer:
             for g, new in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(new.view_as(g))
         norm = cpu_shims.clip_grad_norm(self.params, self.clip, ps.get_model_parallel_group())
-        if not torch.isfinite(torch.tensor(norm)):
-            return False, norm, None
+        if not torch.isfinite(torch.tensor(norm)):  # a NaN/inf loss or gradient: skip the step,
+            return False, norm, None                # weights and AdamW state untouched
         self.optimizer.step()
         return True, norm, None
 
@@ -72,7 +72,9 @@ def build_optimizer(model, cfg: Config, cuda: bool):
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
         bf16=model.config.bf16, params_dtype=model.config.params_dtype,
         use_distributed_optimizer=False)
-    return get_megatron_optimizer(ocfg, [model])
+    # megatron's bf16 optimizer steps on a NaN gradient norm: skip such steps instead
+    from vitgraph.train.health import skip_nonfinite_steps
+    return skip_nonfinite_steps(get_megatron_optimizer(ocfg, [model]))
 
 
 def build_scheduler(optimizer, cfg: Config, total_steps: int) -> OptimizerParamScheduler:
