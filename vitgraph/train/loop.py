@@ -257,7 +257,7 @@ class Trainer:
         window = torch.zeros(3, device=d.device)
         window_steps, window_norm, window_good = 0, 0.0, 0
         t_window = t_start = time.time()
-        record = {}
+        record, nan = {}, float("nan")
         while self.step < self.total_steps:
             if self.graphs is not None:
                 self.graphs.step_begin(self.step)
@@ -268,6 +268,8 @@ class Trainer:
             health.update(ok)
             if torch.is_tensor(ok):  # a skipped step's NaN stays out of the logged means
                 window += torch.where(ok, stats, torch.zeros_like(stats))
+                window_norm = window_norm + torch.where(ok, torch.as_tensor(grad_norm), 0.0)
+                window_good = window_good + ok.long()
             elif ok:
                 window += stats
                 window_norm += grad_norm
@@ -277,15 +279,19 @@ class Trainer:
             last = self.step == self.total_steps
             if self.step % t.log_every == 0 or last:
                 loss_sum, correct, n = self._reduce(window).tolist()
+                window_norm, window_good = float(window_norm), int(window_good)
                 if d.cuda:
                     torch.cuda.synchronize()
                 dt = time.time() - t_window
                 ips = window_steps * t.global_batch_size / dt
                 tflops = ips * self.flops_per_image / d.world / 1e12  # per GPU
                 record = {"step": self.step, "epoch": self.loader.epoch,
-                          "loss": loss_sum / max(n, 1), "train_top1": correct / max(n, 1),
+                          # None when every step of the window was skipped
+                          "loss": loss_sum / n if n else None,
+                          "train_top1": correct / n if n else None,
                           "lr": self.optimizer.param_groups[0]["lr"],
-                          "grad_norm": window_norm / max(window_good, 1), "images_per_s": ips,
+                          "grad_norm": window_norm / window_good if window_good else None,
+                          "images_per_s": ips,
                           "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / t.peak_flops,
                           "peak_mem_gib": self._peak_mem_gib(),
                           "skipped_steps": health.read()[0]}
@@ -295,8 +301,9 @@ class Trainer:
                 self._log(record)
                 log.info("step %d/%d | loss %.4f | top1 %.3f | lr %.2e | grad %.3f | %.1f img/s "
                          "| %.2f TFLOP/s/gpu | MFU %.1f%% | mem %.2f GiB%s%s", self.step,
-                         self.total_steps, record["loss"], record["train_top1"], record["lr"],
-                         record["grad_norm"], ips, tflops, 100 * record["mfu"],
+                         self.total_steps, *(nan if v is None else v for v in (
+                             record["loss"], record["train_top1"], record["lr"],
+                             record["grad_norm"])), ips, tflops, 100 * record["mfu"],
                          record["peak_mem_gib"], self._graph_summary(),
                          f" | skipped {record['skipped_steps']} non-finite steps"
                          if record["skipped_steps"] else "")
@@ -318,6 +325,7 @@ class Trainer:
                 self.save()
                 t_window = time.time()
         progress.close()
+        health.check(self.step)
         wall = time.time() - t_start
         evals = self.evaluate()
         self._log({"step": self.step, **evals})
@@ -431,7 +439,7 @@ def _log_failure(cfg: Config, step) -> None:
 
 
 def _summary(cfg: Config, trainer, e: Exception) -> str:
-    where = f"at step {trainer.step}" if trainer is not None else "before training"
+    where = f"after step {trainer.step}" if trainer is not None else "before training"
     resume = ""
     if trainer is not None and trainer._saved_step >= 0:
         resume = f"; the same command resumes from checkpoint step {trainer._saved_step}"
