@@ -250,7 +250,8 @@ class Trainer:
         cfg, d = self.cfg, self.d
         self.maybe_resume()
         t = cfg.train
-        self.stops = StopRequests().install()
+        if self.stops is None:
+            self.stops = StopRequests().install()
         health = StepHealth(t.max_bad_steps)
         nan_steps = parse_steps(t.inject_nan_steps)
         progress = Progress(self.total_steps, self.step, t.progress and d.rank == 0)
@@ -399,8 +400,10 @@ def train(cfg: Config) -> dict:
             print(done, flush=True)
         return done.metrics
     trainer = None
+    stops = StopRequests().install()
     try:
         trainer = Trainer(cfg)
+        trainer.stops = stops
         for key, old, new in changes:
             log.info("resuming with a changed setting: %s %r -> %r", key, old, new)
         return trainer.run()
@@ -413,6 +416,7 @@ def train(cfg: Config) -> dict:
             raise TrainingFailed(_summary(cfg, trainer, e)) from e
         raise
     finally:
+        stops.close()
         if trainer is not None:
             trainer.close()
         else:

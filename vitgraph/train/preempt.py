@@ -29,10 +29,9 @@ class StopRequests:
         self._flag = None
 
     def install(self) -> "StopRequests":
+        """Before start-up, so that a signal during data loading is not lost either."""
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -40,9 +39,12 @@ class StopRequests:
             self.received = signal.Signals(signum).name
 
     def poll(self) -> bool:
-        """True on every rank at the same step once any rank has received a signal."""
+        """True on every rank at the same step once any rank has received a signal. Every rank
+        calls it after every step (the first call makes the group: a collective)."""
         if self._group is None:
-            return self.received is not None
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                return self.received is not None
+            self._group = dist.new_group(backend="gloo")
         stop = False
         if self._work is not None:
             self._work.wait()
@@ -54,7 +56,10 @@ class StopRequests:
 
     def close(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except Exception:  # a peer is gone (the run is failing already): nothing to agree on
+                pass
             self._work = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
