@@ -38,12 +38,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_log(run_dir) if "loss" in r}
 
 
-def vitgraph(env, run_dir, *extra, steps=12, check=None, **over):
-    r = subprocess.run(vitgraph_cmd("train", DEFAULT, *tiny_overrides(run_dir, steps, **over),
-                                    *extra), env=env, capture_output=True, text=True, timeout=300)
-    if check is not None:
-        assert r.returncode == check, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
+def train_here(capsys, run_dir, *extra, steps=12, **over) -> tuple[int, str, str]:
+    """``vitgraph train`` in this process (no interpreter start-up): (exit code, out, err)."""
+    code = main(["train", DEFAULT, *tiny_overrides(run_dir, steps, **over), *extra])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def snapshot(run_dir: Path) -> dict:
@@ -56,21 +55,23 @@ def snapshot(run_dir: Path) -> dict:
 # ---------------------------------------------------------------- 1. finished runs
 
 
-def test_finished_run_is_read_only_and_more_steps_continue_it(tmp_path, env):
+def test_finished_run_is_read_only_and_more_steps_continue_it(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    vitgraph(env, run_dir, steps=10, check=0, **{"checkpoint.every": 5})
+    assert train_here(capsys, run_dir, steps=10, **{"checkpoint.every": 5})[0] == 0
     before = snapshot(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["step"] == 10 and "loss" in metrics and "images_per_s" in metrics
 
-    again = vitgraph(env, run_dir, steps=10, check=0, **{"checkpoint.every": 5})
+    code, out, _ = train_here(capsys, run_dir, steps=10, **{"checkpoint.every": 5})
+    assert code == 0
     assert snapshot(run_dir) == before  # metrics, logs, checkpoints, config: untouched
-    assert "finished run" in again.stdout
-    assert str((run_dir / "metrics.json").resolve()) in again.stdout
-    assert "train.steps=20" in again.stdout  # how to ask for more
+    assert "finished run" in out
+    assert str((run_dir / "metrics.json").resolve()) in out
+    assert "train.steps=20" in out  # how to ask for more
 
-    more = vitgraph(env, run_dir, steps=15, check=0, **{"checkpoint.every": 5})
-    assert "at step 10" in more.stdout
+    code, out, err = train_here(capsys, run_dir, steps=15, **{"checkpoint.every": 5})
+    assert code == 0, err
+    assert "at step 10" in out
     log = (run_dir / "train.log").read_text()
     assert "resuming with a changed setting: train.steps 10 -> 15" in log
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -198,18 +199,19 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
     assert torch.equal(state["model"]["w"], torch.full((64,), 5.0))
 
 
-def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, env):
+def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, capsys):
     run_dir = tmp_path / "run"
     over = {"checkpoint.every": 4, "checkpoint.keep": 5}
-    vitgraph(env, run_dir, steps=12, check=0, **over)
+    assert train_here(capsys, run_dir, steps=12, **over)[0] == 0
     ckpt = run_dir / "checkpoints"
     (run_dir / "metrics.json").unlink()  # as if stopped right after its last save
     model = ckpt / "step_000012" / "mp_rank_00_000.pt"
     model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])  # cut in half
     rng = ckpt / "step_000008" / "rng_rank_00000.pt"
     rng.write_bytes(b"")  # an empty RNG file
-    r = vitgraph(env, run_dir, steps=12, check=0, **over)
-    assert f"resumed from {ckpt / 'step_000004'} at step 4" in r.stdout
+    code, out, err = train_here(capsys, run_dir, steps=12, **over)
+    assert code == 0, err
+    assert f"resumed from {ckpt / 'step_000004'} at step 4" in out
     log = (run_dir / "train.log").read_text()
     assert str(model) in log and str(rng) in log and "damaged" in log
     assert json.loads((run_dir / "metrics.json").read_text())["step"] == 12
@@ -217,10 +219,10 @@ def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(tmp_path,
 
     for d in checkpoint.step_dirs(ckpt):  # now damage every one
         (d / "manifest.json").write_text("{")
-    r = vitgraph(env, run_dir, steps=16, **over)
-    assert r.returncode == 2, r.stderr
-    assert "no intact checkpoint" in r.stderr and "checkpoint.resume=false" in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    code, out, err = train_here(capsys, run_dir, steps=16, **over)
+    assert code == 2, err
+    assert "no intact checkpoint" in err and "checkpoint.resume=false" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 # ---------------------------------------------------------------- 4. preemption
@@ -236,11 +238,11 @@ def _wait_for_steps(proc, run_dir: Path, n: int, timeout=240):
     raise AssertionError(f"the run did not reach {n} steps (exit {proc.poll()})")
 
 
-def test_sigterm_saves_exits_75_and_the_resumed_run_continues_the_curve(tmp_path, env):
+def test_sigterm_saves_exits_75_and_the_resumed_run_continues_the_curve(tmp_path, env, capsys):
     steps = 40
     over = {"train.log_every": 1, "checkpoint.every": 0}
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
-    vitgraph(env, ref, steps=steps, check=0, **over)
+    assert train_here(capsys, ref, steps=steps, **over)[0] == 0  # in this process: no start-up
     cmd = vitgraph_cmd("train", DEFAULT, *tiny_overrides(run_dir, steps, **over))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -255,8 +257,9 @@ def test_sigterm_saves_exits_75_and_the_resumed_run_continues_the_curve(tmp_path
     assert "SIGTERM received" in out and "preempted" in err
     assert not (run_dir / "metrics.json").exists()
 
-    r = vitgraph(env, run_dir, steps=steps, check=0, **over)
-    assert f"at step {stopped}" in r.stdout
+    code, out, err = train_here(capsys, run_dir, steps=steps, **over)
+    assert code == 0, err
+    assert f"at step {stopped}" in out
     want, got = losses(ref), losses(run_dir)
     assert sorted(got) == list(range(1, steps + 1))
     for s in range(1, steps + 1):  # the uninterrupted curve, before and after the stop
@@ -303,11 +306,12 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, env):
 
 @pytest.mark.parametrize("extra", [[], ["graphs.enabled=true", "graphs.warmup_steps=1"]],
                          ids=["eager", "graphs"])
-def test_nan_steps_are_skipped_without_touching_weights_or_optimizer(tmp_path, env, extra):
+def test_nan_steps_are_skipped_without_touching_weights_or_optimizer(tmp_path, capsys, extra):
     run_dir = tmp_path / "run"
-    vitgraph(env, run_dir, *extra, steps=8, check=0,
-             **{"train.log_every": 1, "checkpoint.every": 1, "checkpoint.keep": 20,
-                "train.inject_nan_steps": "4-5"})
+    code, _, err = train_here(capsys, run_dir, *extra, steps=8,
+                              **{"train.log_every": 1, "checkpoint.every": 1,
+                                 "checkpoint.keep": 20, "train.inject_nan_steps": "4-5"})
+    assert code == 0, err
     log = {r["step"]: r for r in read_log(run_dir) if "skipped_steps" in r}
     assert [log[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 0, 1, 2, 2, 2, 2]
     assert log[4]["loss"] is None and log[6]["loss"] > 0  # NaN kept out of the logged means
@@ -329,14 +333,14 @@ def test_nan_steps_are_skipped_without_touching_weights_or_optimizer(tmp_path, e
     assert metrics["skipped_steps"] == 2 and metrics["eval_loss"] == metrics["eval_loss"]
 
 
-def test_too_many_bad_steps_in_a_row_stop_and_keep_the_last_good_checkpoint(tmp_path, env):
+def test_too_many_bad_steps_in_a_row_stop_and_keep_the_last_good_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    r = vitgraph(env, run_dir, steps=20, **{"train.log_every": 5, "checkpoint.every": 2,
-                                            "checkpoint.keep": 1,
-                                            "train.inject_nan_steps": "4-20",
-                                            "train.max_bad_steps": 3})
-    assert r.returncode == 1, r.stderr
-    line = r.stderr.strip().splitlines()
+    code, _, err = train_here(capsys, run_dir, steps=20,
+                              **{"train.log_every": 5, "checkpoint.every": 2,
+                                 "checkpoint.keep": 1, "train.inject_nan_steps": "4-20",
+                                 "train.max_bad_steps": 3})
+    assert code == 1, err
+    line = err.strip().splitlines()
     assert len(line) == 1 and "after step 6" in line[0] and "NumericalError" in line[0]
     assert str(run_dir / "train.log") in line[0] and "checkpoint step 4" in line[0]
     assert "Traceback" in (run_dir / "train.log").read_text()

@@ -300,13 +300,6 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         parse_steps(t.inject_nan_steps)
     except ValueError:
         err("train.inject_nan_steps", t.inject_nan_steps, "expected steps such as '5' or '5-7,9'")
-    if cfg.model.spec == "te":
-        import torch
-
-        from vitgraph.models.specs import te_available
-        if not (torch.cuda.is_available() and te_available()):
-            err("model.spec", "te", "needs CUDA and Transformer Engine (pip install -e .[te]); "
-                "use model.spec=torch or auto without them")
 
     p = cfg.parallel
     for key in ("tp", "pp"):
@@ -351,6 +344,18 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("data.workers", d.workers, "must be >= 1")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         err("checkpoint.keep", cfg.checkpoint.keep, "checkpoint.every >= 0 and checkpoint.keep >= 1")
+
+
+def validate_machine(cfg: Config, src: str = "<config>") -> None:
+    """Checks against this machine, made before a run starts (``validate`` leaves them out so
+    that GPU configs still load anywhere)."""
+    if cfg.model.spec == "te":
+        import torch
+
+        from vitgraph.models.specs import te_available
+        if not (torch.cuda.is_available() and te_available()):
+            raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
+                              f"(pip install -e .[te]); use model.spec=torch or auto without them")
 
 
 def parse_steps(text: str) -> set[int]:

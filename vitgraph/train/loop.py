@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vitgraph.config import Config, parse_steps, save_config
+from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval, to_model_input
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import resolve_spec
@@ -393,6 +393,7 @@ def train(cfg: Config) -> dict:
     """Train ``cfg``'s run (resuming it if its folder holds one). Raises ConfigError before any
     work when the folder holds a different run; returns the stored metrics of a finished run
     without touching it."""
+    validate_machine(cfg)
     try:
         changes = check_run_dir(cfg)
     except FinishedRun as done:
