@@ -333,6 +333,45 @@ def test_nan_steps_are_skipped_without_touching_weights_or_optimizer(tmp_path, c
     assert metrics["skipped_steps"] == 2 and metrics["eval_loss"] == metrics["eval_loss"]
 
 
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_megatron_optimizer_step_skips_a_non_finite_grad_norm(clip):
+    """megatron's own step() control flow (bf16 has no loss scaler to catch NaN), with the GPU
+    optimizer's methods stubbed: the update runs only for a finite norm."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    from vitgraph.train.health import skip_nonfinite_steps
+
+    class Stub:
+        step = MixedPrecisionOptimizer.step
+
+        def __init__(self, norm):
+            self.config = SimpleNamespace(timers=None, clip_grad=clip, log_num_zeros_in_grad=False)
+            self.norm, self.updates, self.norms = norm, 0, 0
+
+        def prepare_grads(self):
+            return False  # no loss scaler: megatron finds nothing
+
+        def clip_grad_norm(self, clip_grad):
+            self.norms += 1
+            return self.norm
+
+        def get_grad_norm(self):
+            self.norms += 1
+            return self.norm
+
+        def step_with_ready_grads(self):
+            self.updates += 1
+            return True
+
+    for norm, ok in ((0.5, True), (float("nan"), False), (float("inf"), False)):
+        opt = skip_nonfinite_steps(Stub(norm))
+        success, got, _ = opt.step()
+        assert success is ok and opt.updates == int(ok) and opt.norms == 1
+        assert got == norm or (got != got and norm != norm)
+
+
 def test_too_many_bad_steps_in_a_row_stop_and_keep_the_last_good_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code, _, err = train_here(capsys, run_dir, steps=20,

@@ -48,7 +48,7 @@ def skip_nonfinite_steps(optimizer):
     def guarded_step():
         state["norm"] = None
         ok, norm, zeros = step()
-        if not ok and norm is None:
+        if state["norm"] is not None:  # megatron returns 0.0 when it did not clip
             norm = state["norm"]
         return ok, norm, zeros
 
