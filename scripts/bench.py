@@ -6,16 +6,25 @@ writes ``{"provenance": ..., "rows": [...]}`` JSON (DESIGN.md, "Tests and number
 
     python scripts/bench.py --model vit_l16_224 --micro-batches 8 256 \
         --systems vitgraph vitgraph+graphs timm timm+compile-reduce-overhead \
-        --out benchmarks/h200-vit_l16_224.json
+        --precisions bf16 fp8-current --out benchmarks/h200-vit_l16_224.json
+    # several GPUs: the vitgraph systems only, one process per GPU, rank 0 writes the JSON
+    torchrun --nproc-per-node 2 scripts/bench.py --model vit_l16_224 --micro-batches 8 \
+        --microbatches 8 --systems vitgraph vitgraph+graphs --override parallel.pp=2 --out ...
 
 Systems:
-  vitgraph               vitgraph's Trainer step: megatron-core schedule, TE spec, bf16,
-                         megatron DDP + optimizer, eager
-  vitgraph+graphs        the same with graphs.enabled=true (per-layer CUDA graphs, impl local)
+  vitgraph               vitgraph's Trainer step: megatron-core schedule, TE spec, megatron
+                         DDP + distributed optimizer, eager
+  vitgraph+graphs        the same with graphs.enabled=true (per-layer CUDA graphs, impl local;
+                         impl te for FP8)
   vitgraph+graphs-te     the same with graphs.impl=te
   timm                   timm ViT, autocast bf16, fused torch AdamW
   timm+compile           the same under torch.compile (default mode)
   timm+compile-reduce-overhead   torch.compile(mode="reduce-overhead") (CUDA graphs)
+  timm+compile+float8    timm + torch.compile with torchao's float8 training (tensorwise
+                         scaling): the FP8 peer a user would pick; runs for fp8 precisions
+
+Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
+peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
 """
 from __future__ import annotations
 
@@ -82,24 +91,38 @@ def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
 
 # ---------------------------------------------------------------- vitgraph
 
-def bench_vitgraph(model: str, mb: int, graphs: str | None, warmup: int, iters: int,
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warmup: int,
+                   iters: int, num_classes: int, microbatches: int,
                    overrides: list[str] = ()) -> dict:
     from vitgraph.config import load_config
     from vitgraph.train.loop import Trainer
+    prec = ["train.precision=bf16"] if precision == "bf16" else [
+        "train.precision=fp8", f"train.fp8_recipe={precision.split('-', 1)[1]}"]
+    if graphs == "local" and precision != "bf16":
+        graphs = "te"  # TE owns the FP8 state around a replay
     over = [f"model.name={model}", "model.spec=te", "data.kind=shapes", "data.num_train=64",
-            "data.num_val=64", "data.render_size=32", f"train.global_batch_size={mb}",
-            f"train.micro_batch_size={mb}", "train.steps=100000", "train.precision=bf16",
+            "data.num_val=64", "data.render_size=32", f"model.num_classes={num_classes}",
+            f"train.micro_batch_size={mb}", "train.steps=100000", *prec,
             "train.tensorboard=false", "train.progress=false", "optim.clip_grad=1.0",
-            f"run.dir=/tmp/vitgraph-bench/{model}-{mb}-{graphs}"]
+            f"run.dir=/tmp/vitgraph-bench/{model}-{mb}-{graphs}-{precision}"]
     if graphs:
         over += ["graphs.enabled=true", f"graphs.impl={graphs}", "graphs.warmup_steps=2"]
-    over += [f"data.num_train={max(64, mb)}", *overrides]
+    over += [*overrides]
+    probe = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
+                        [*over, f"train.global_batch_size={mb * _world()}"])
+    dp = _world() // (probe.parallel.tp * probe.parallel.pp)
+    global_batch = mb * microbatches * dp
+    over += [f"train.global_batch_size={global_batch}", f"data.num_train={max(64, global_batch)}"]
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
     trainer = Trainer(cfg)
     size = trainer.arch.image_size
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(trainer.d.dp_rank)
     batches = [(torch.randint(0, 256, (mb, size, size, 3), dtype=torch.uint8, generator=gen),
-                torch.randint(0, 10, (mb,), generator=gen))]
+                torch.randint(0, num_classes, (mb,), generator=gen)) for _ in range(microbatches)]
     state = {"step": 0}
 
     def step():
@@ -115,8 +138,15 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, warmup: int, iters: 
             extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
                                     if isinstance(v, (int, float, str, bool))}
         flops = trainer.flops_per_image
-        return {"images_per_s": mb / sec, "peak_mem_gib": mem, "peak_reserved_gib": reserved,
-                "flops_per_image": flops, **extra}
+        p = cfg.parallel
+        layout = f"tp{p.tp}pp{p.pp}" + (f"vpp{p.vpp}" if p.vpp > 1 else "") + f"dp{dp}"
+        layout = layout.replace("tp1", "").replace("pp1", "") or "dp1"
+        if p.sequence_parallel:
+            layout += "sp"
+        return {"images_per_s": global_batch / sec, "peak_mem_gib": mem,
+                "peak_reserved_gib": reserved, "flops_per_image": flops, "layout": layout,
+                "global_batch": global_batch,
+                "distributed_optimizer": p.distributed_optimizer, **extra}
     finally:
         trainer.close(shutdown_dist=False)
         del trainer
@@ -124,14 +154,21 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, warmup: int, iters: 
 
 # ---------------------------------------------------------------- timm peers
 
-def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters: int) -> dict:
+def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters: int,
+               num_classes: int, float8: bool = False) -> dict:
     import timm
-    net = timm.create_model(TIMM_NAMES[model], num_classes=10).cuda()
+    net = timm.create_model(TIMM_NAMES[model], num_classes=num_classes).cuda()
+    if float8:
+        # torchao's float8 training (tensorwise scaling) on the Linear layers, as its README
+        # recommends: every Linear whose dims are multiples of 16 (not the head)
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(
+            net, module_filter_fn=lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
     fwd = net if compile_mode is None else torch.compile(
         net, mode=None if compile_mode == "default" else compile_mode)
     x = torch.randn(mb, 3, 224, 224, device="cuda")
-    y = torch.randint(0, 10, (mb,), device="cuda")
+    y = torch.randint(0, num_classes, (mb,), device="cuda")
 
     def step():
         if compile_mode == "reduce-overhead":
@@ -171,11 +208,11 @@ def provenance(args) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "command": " ".join([sys.executable, *sys.argv]), "git_commit": commit,
             "git_dirty": dirty,
-            "gpu": torch.cuda.get_device_name(), "gpus": 1, "host": platform.node(),
+            "gpu": torch.cuda.get_device_name(), "gpus": _world(), "host": platform.node(),
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn_torch": torch.backends.cudnn.version(),
             "transformer_engine": ver("transformer_engine"), "megatron_core": _mcore_version(),
-            "timm": ver("timm"), "python": platform.python_version(), "attention": cudnn_te,
+            "timm": ver("timm"), "torchao": ver("torchao"), "python": platform.python_version(), "attention": cudnn_te,
             "warmup": args.warmup, "iters": args.iters, "vitgraph_overrides": args.override,
             "method": "median of 3 blocks of `iters` steps, after `warmup` steps; "
                       "peak memory over the timed steps (torch.cuda.max_memory_allocated)"}
@@ -189,12 +226,34 @@ def _mcore_version():
         return None
 
 
+def _jobs(args) -> list[tuple[int, str, str]]:
+    """(micro-batch, system, precision) in run order. vitgraph systems run at every precision;
+    the bf16 timm peers once per micro-batch, timm+compile+float8 once per micro-batch when an
+    fp8 precision is asked for; peers only in a single-GPU run."""
+    fp8 = [p for p in args.precisions if p != "bf16"]
+    jobs = []
+    for mb in args.micro_batches:
+        for i, precision in enumerate(args.precisions):
+            for system in args.systems:
+                if system.startswith("timm"):
+                    first = precision == (fp8[0] if system.endswith("float8") else args.precisions[0])
+                    if _world() > 1 or not first or (system.endswith("float8") and not fp8):
+                        continue
+                jobs.append((mb, system, precision))
+    return jobs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="vit_l16_224", choices=sorted(TIMM_NAMES))
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 256])
     ap.add_argument("--systems", nargs="+", default=["vitgraph", "vitgraph+graphs", "timm",
                                                      "timm+compile-reduce-overhead"])
+    ap.add_argument("--precisions", nargs="+", default=["bf16"],
+                    choices=["bf16", "fp8-current", "fp8-delayed"])
+    ap.add_argument("--num-classes", type=int, default=10)
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="microbatches per step and data-parallel rank (pipelines need several)")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=Path, required=True)
@@ -205,52 +264,70 @@ def main() -> int:
     global PROFILE
     PROFILE = args.profile
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    rank0 = int(os.environ.get("RANK", "0")) == 0
 
     rows = []
-    for mb in args.micro_batches:
-        for system in args.systems:
-            t0 = time.time()
-            try:
-                if system.startswith("vitgraph"):
-                    impl = {"vitgraph": None, "vitgraph+graphs": "local",
-                            "vitgraph+graphs-te": "te"}[system]
-                    res = bench_vitgraph(args.model, mb, impl, args.warmup, args.iters, args.override)
-                else:
-                    mode = {"timm": None, "timm+compile": "default",
-                            "timm+compile-reduce-overhead": "reduce-overhead"}[system]
-                    res = bench_timm(args.model, mb, mode, args.warmup, args.iters)
-                err = None
-            except Exception as e:
-                traceback.print_exc()
-                res, err = {}, f"{type(e).__name__}: {e}"[:500]
-            gc.collect()
-            torch.cuda.empty_cache()
-            row = {"system": system, "model": args.model, "micro_batch": mb,
-                   "precision": "bf16", "graphs": "graphs" in system or "reduce-overhead" in system,
-                   "gpus": 1, "layout": "dp1", **res, "error": err,
-                   "wall_s": round(time.time() - t0, 1)}
-            fpi = res.get("flops_per_image")
-            if fpi is None:
-                fpi = next((r.get("flops_per_image") for r in rows if r.get("flops_per_image")), None)
-            if res.get("images_per_s") and fpi:
-                row["mfu"] = res["images_per_s"] * fpi / PEAK_FLOPS
-            rows.append(row)
-            print(f"{system:32s} mb {mb:4d}: {res.get('images_per_s', float('nan')):9.1f} img/s "
+    for mb, system, precision in _jobs(args):
+        t0 = time.time()
+        try:
+            if system.startswith("vitgraph"):
+                impl = {"vitgraph": None, "vitgraph+graphs": "local",
+                        "vitgraph+graphs-te": "te"}[system]
+                res = bench_vitgraph(args.model, mb, impl, precision, args.warmup, args.iters,
+                                     args.num_classes, args.microbatches, args.override)
+            else:
+                mode = {"timm": None, "timm+compile": "default",
+                        "timm+compile-reduce-overhead": "reduce-overhead",
+                        "timm+compile+float8": "default"}[system]
+                res = bench_timm(args.model, mb, mode, args.warmup, args.iters, args.num_classes,
+                                 float8=system.endswith("float8"))
+            err = None
+        except Exception as e:
+            traceback.print_exc()
+            res, err = {}, f"{type(e).__name__}: {e}"[:500]
+        gc.collect()
+        torch.cuda.empty_cache()
+        graphs = False
+        if "graphs" in system:
+            graphs = "layer"
+        elif "reduce-overhead" in system:
+            graphs = "step"
+        row = {"system": system, "model": args.model, "micro_batch": mb,
+               "precision": "fp8-tensorwise-torchao" if system.endswith("float8") else
+               (precision if system.startswith("vitgraph") else "bf16"),
+               "graphs": graphs, "gpus": _world(), "layout": "dp1",
+               "num_classes": args.num_classes, **res, "error": err,
+               "wall_s": round(time.time() - t0, 1)}
+        fpi = res.get("flops_per_image")
+        if fpi is None:
+            fpi = next((r.get("flops_per_image") for r in rows if r.get("flops_per_image")), None)
+        if res.get("images_per_s") and fpi:
+            row["mfu"] = res["images_per_s"] * fpi / PEAK_FLOPS / _world()
+        rows.append(row)
+        if rank0:
+            print(f"{system:28s} {row['precision']:12s} mb {mb:4d} {row['layout']:10s}: "
+                  f"{res.get('images_per_s', float('nan')):9.1f} img/s "
                   f"peak {res.get('peak_mem_gib', float('nan')):6.1f} GiB allocated "
                   f"{res.get('peak_reserved_gib', float('nan')):6.1f} GiB reserved  ({row['wall_s']}s)"
                   + (f"  ERROR {err}" if err else ""), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))
 
-    print("\nratios against vitgraph eager (same micro-batch):")
-    for mb in args.micro_batches:
-        base = next((r for r in rows if r["system"] == "vitgraph" and r["micro_batch"] == mb
-                     and r.get("images_per_s")), None)
-        for r in rows:
-            if r["micro_batch"] != mb or not r.get("images_per_s") or base is None:
-                continue
-            print(f"  mb {mb:4d} {r['system']:32s} {r['images_per_s'] / base['images_per_s']:5.2f}x "
-                  f"speed  {r['peak_reserved_gib'] / base['peak_reserved_gib']:5.2f}x reserved memory")
+    if rank0:
+        print("\nratios against timm+compile (bf16, same micro-batch), else vitgraph eager:")
+        for mb in args.micro_batches:
+            base = next((r for r in rows if r["system"] == "timm+compile" and r["micro_batch"] == mb
+                         and r.get("images_per_s")), None) or next(
+                (r for r in rows if r["system"] == "vitgraph" and r["micro_batch"] == mb
+                 and r.get("images_per_s")), None)
+            for r in rows:
+                if r["micro_batch"] != mb or not r.get("images_per_s") or base is None:
+                    continue
+                print(f"  mb {mb:4d} {r['system']:28s} {r['precision']:12s} "
+                      f"{r['images_per_s'] / base['images_per_s']:5.2f}x speed  "
+                      f"{r['peak_reserved_gib'] / base['peak_reserved_gib']:5.2f}x reserved memory")
+    if _world() > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, for a CUDA machine with TE and megatron-core importable
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
-#   usage: scripts/gpu_check.sh [tests|train|graphs-train|bench ...]   (default: tests train)
+#   usage: scripts/gpu_check.sh [tests|train|graphs-train|multi|bench ...]   (default: tests train)
+#   multi (2 GPUs): pp=2 1F1B eager and with graphs, pp=2 interleaved (vpp 2) with graphs, tp=2
+#   with sequence parallel, dp=2 with the distributed optimizer, each against the one-GPU curve
+#   (ViT-B/16, 8 microbatches of 8 a step); then the pp=2 run resumes at dp=2 from step 25.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}; mkdir -p "$out"
@@ -31,6 +34,33 @@ for s in "${steps[@]}"; do
       timeout 110 python -m vitgraph train "${g[@]}" run.dir=/tmp/graphs graphs.enabled=true > "$out/train_graphs_resumed.log" 2>&1
       python scripts/compare_curves.py /tmp/eager/log.jsonl /tmp/graphs_first.jsonl /tmp/graphs/log.jsonl 2>&1 | tee "$out/curves.txt"
       grep -E "graphs|resumed|cudnn|cuDNN" "$out/train_graphs_resumed.log" | tail -8 ;;
+    multi)
+      m=("${b16[@]}" data.num_train=2000 train.steps=50 train.global_batch_size=64
+         train.micro_batch_size=8 train.log_every=5 train.eval_every=0 checkpoint.every=25
+         checkpoint.keep=5 optim.warmup_steps=5)
+      tr() { local name=$1 n=$2; shift 2
+        timeout 150 torchrun --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000)) \
+          -m vitgraph train "${m[@]}" run.dir=/tmp/multi/$name "$@" > "$out/multi_$name.log" 2>&1
+        echo "$name: exit $?" | tee -a "$out/summary.txt"; }
+      tr one 1
+      tr pp2 2 parallel.pp=2
+      tr pp2_graphs 2 parallel.pp=2 graphs.enabled=true
+      tr pp2_vpp2_graphs 2 parallel.pp=2 parallel.vpp=2 graphs.enabled=true
+      tr tp2_sp 2 parallel.tp=2 parallel.sequence_parallel=true
+      tr dp2_distopt 2 parallel.distributed_optimizer=true
+      # the pp=2 run, rolled back to its step-25 checkpoint, resumes at dp=2
+      rm -rf /tmp/multi/pp2/checkpoints/step_000050 /tmp/multi/pp2/metrics.json
+      echo step_000025 > /tmp/multi/pp2/checkpoints/latest
+      mv /tmp/multi/pp2/log.jsonl /tmp/multi/pp2_first.jsonl
+      tr pp2 2 parallel.distributed_optimizer=true
+      mv /tmp/multi/pp2/log.jsonl /tmp/multi/pp2_resumed_dp2.jsonl
+      d=/tmp/multi
+      python scripts/compare_curves.py $d/one/log.jsonl $d/pp2_first.jsonl $d/pp2_graphs/log.jsonl \
+        $d/pp2_vpp2_graphs/log.jsonl $d/tp2_sp/log.jsonl $d/dp2_distopt/log.jsonl \
+        $d/pp2_resumed_dp2.jsonl 2>&1 | tee "$out/multi_curves.txt"
+      # graphs equal eager (same layout): far tighter than the bf16 layout tolerance
+      python scripts/compare_curves.py $d/pp2_first.jsonl $d/pp2_graphs/log.jsonl --rtol 2e-3 \
+        2>&1 | tail -3 | tee -a "$out/multi_curves.txt" ;;
     bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
   esac
 done

@@ -19,4 +19,11 @@ fi
 spec="."
 [ "$extra" = test ] && spec=".[test]"
 "${pip[@]}" -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
+# timm (test extra) pulls torchvision, whose PyPI wheel is built for CUDA torch: against the CPU
+# torch it cannot even be imported, and half-installed it confuses transformers. Remove it
+# there; the tests import timm with a stand-in (tests/conftest.py: import_timm).
+if .venv/bin/python -m pip show -q torchvision >/dev/null 2>&1 \
+    && ! .venv/bin/python -c "import torchvision" >/dev/null 2>&1; then
+  .venv/bin/python -m pip uninstall -q -y torchvision
+fi
 .venv/bin/python -c "import vitgraph, torch, megatron.core as m; print('vitgraph ready: torch', torch.__version__, '| megatron-core', m.__version__)"

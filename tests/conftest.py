@@ -59,3 +59,49 @@ def world_of_one(spec: str):
         yield d
         shutdown()
     return fixture
+
+
+def import_timm():
+    """``import timm`` on a CPU-only torch.
+
+    timm imports torchvision at import time, and PyPI has no CPU build of torchvision for
+    Linux: its wheel needs CUDA torch's libraries. When torchvision cannot be imported, timm
+    is imported with a stand-in for it (a module whose every attribute is a MagicMock), and
+    the stand-in is taken out of ``sys.modules`` again afterwards so that nothing else (e.g.
+    transformers) mistakes it for torchvision. timm's ViT itself uses no torchvision code.
+    """
+    try:
+        import torchvision  # noqa: F401
+        import timm
+        return timm
+    except Exception:
+        pass
+    import importlib.abc
+    import importlib.machinery
+    from unittest import mock
+
+    class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            if name == "torchvision" or name.startswith("torchvision."):
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            m = mock.MagicMock(name=spec.name)
+            m.__path__, m.__spec__, m.__name__ = [], spec, spec.name
+            return m
+
+        def exec_module(self, module):
+            pass
+
+    finder = _StandIn()
+    for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+        del sys.modules[k]
+    sys.meta_path.insert(0, finder)
+    try:
+        import timm
+    finally:
+        sys.meta_path.remove(finder)
+        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+            del sys.modules[k]
+    return timm

@@ -293,8 +293,8 @@ def test_imagefolder_errors(folder, tmp_path):
         build_datasets(folder_cfg(folder), seed=0)
     with pytest.raises(DataError, match="data.path"):
         build_datasets(folder_cfg(folder, path=None), seed=0)
-    with pytest.raises(DataError, match="webdataset"):
-        build_datasets(shapes_cfg(kind="webdataset"), seed=0)
+    with pytest.raises(DataError, match="lmdb"):
+        build_datasets(shapes_cfg(kind="lmdb"), seed=0)
 
 
 # ---------------------------------------------------------------- loader
@@ -417,3 +417,194 @@ def test_to_model_input():
     assert (up[1] == 1).all() and (up[0] == -1).all()
     down = to_model_input(x, 16, "cpu", torch.float32)
     assert down.shape == (5, 3, 16, 16) and down.min() >= -1 - 1e-5 and down.max() <= 1 + 1e-5
+
+
+# ---------------------------------------------------------------- WebDataset shards
+
+
+def _shapes_folder(root, n_train=60, n_val=20, classes=3, size=24, fmt="JPEG"):
+    train, val = build_datasets(shapes_cfg(num_train=n_train, num_val=n_val, num_classes=classes,
+                                           render_size=size), seed=0)
+    for split, ds in (("train", train), ("val", val)):
+        for i, (img, lb) in enumerate(zip(ds.images.numpy(), ds.labels.tolist())):
+            d = root / split / ds.classes[lb]
+            d.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(d / f"{i:04d}.{'jpg' if fmt == 'JPEG' else 'png'}", fmt,
+                                      **({"quality": 95} if fmt == "JPEG" else {}))
+    return root
+
+
+def _make_shards(src, out, *extra):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_shards.py"), str(src), str(out),
+                    *extra], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wds")
+    src = _shapes_folder(tmp / "folder")
+    return src, _make_shards(src, tmp / "shards", "--shard-size", "16", "--captions")
+
+
+def wds_cfg(root, **kw):
+    return folder_cfg(root, kind="webdataset", render_size=24, **kw)
+
+
+def test_webdataset_matches_the_imagefolder_and_the_webdataset_package(shards):
+    src, out = shards
+    assert sorted(p.name for p in out.glob("train-*.tar")) == [f"train-{i:06d}.tar" for i in range(4)]
+    train, val = build_datasets(wds_cfg(out), seed=0)
+    ref_train, ref_val = build_datasets(folder_cfg(src, render_size=24), seed=0)
+    assert train.classes == ref_train.classes and len(train) == 60 and len(val) == 20
+    # the same images (same bytes decoded the same way), in the shard order
+    assert train.captions == [train.classes[i] for i in train.labels.tolist()]
+    assert torch.equal(val.images[torch.arange(20)], ref_val.images)
+    assert torch.equal(val.labels, ref_val.labels)
+    assert sorted(map(bytes, train.images[:].numpy())) == sorted(map(bytes, ref_train.images.numpy()))
+    # without index.json the tar headers give the same samples
+    (out / "index.json").rename(out / "index.off")
+    try:
+        scanned, _ = build_datasets(wds_cfg(out), seed=0)
+    finally:
+        (out / "index.off").rename(out / "index.json")
+    assert torch.equal(scanned.labels, train.labels) and scanned.captions == train.captions
+    assert torch.equal(scanned.images[:], train.images[:])
+    wds = pytest.importorskip("webdataset")  # the shards are plain WebDataset
+    samples = list(wds.WebDataset(str(out / "train-000000.tar"), shardshuffle=False))
+    assert [int(s["cls"]) for s in samples] == train.labels[:16].tolist()
+    assert samples[0]["txt"].decode() == train.captions[0]
+
+
+def test_webdataset_loader_splits_ranks_and_resumes_exactly(shards):
+    _, out = shards
+    train, _ = build_datasets(wds_cfg(out, workers=2), seed=0)
+    assert train.images.shuffle_shards == 4
+    train.images.shuffle_shards = 2  # windows of 2 of the 4 shards
+    train.labels = torch.arange(len(train))  # sample ids, to follow every sample
+    single = MicrobatchLoader(train, 4, 2, 0, 1, seed=1)  # global batch 8
+    ranks = [MicrobatchLoader(train, 2, 2, r, 2, seed=1) for r in range(2)]
+    epoch = []
+    for _ in range(single.steps_per_epoch):
+        ref = ids(single.next_step())
+        assert sum((ids(ld.next_step()) for ld in ranks), []) == ref
+        epoch += ref
+    assert len(set(epoch)) == len(epoch) == 56  # 60 // 8 steps, nothing repeated
+    # the first window's samples all come first: two shards, all of their samples
+    shard_of = train.images.shard_ids
+    perm = single._permutation()
+    first = set(shard_of[perm[:12]].tolist())
+    k = int(sum((shard_of == s).sum() for s in first))
+    assert len(first) == 2 and set(shard_of[perm[:k]].tolist()) == first
+    # resume mid-epoch and across the epoch boundary: the same samples, none repeated or skipped
+    ld = MicrobatchLoader(train, 2, 2, 1, 2, seed=1)
+    for _ in range(5):
+        ld.next_step()
+    sd = ld.state_dict()
+    want = [(ids(s), s[0][0]) for s in (ld.next_step() for _ in range(6))]
+    fresh = MicrobatchLoader(train, 2, 2, 1, 2, seed=1)
+    fresh.load_state_dict(sd)
+    got = [(ids(s), s[0][0]) for s in (fresh.next_step() for _ in range(6))]
+    assert [w[0] for w in want] == [g[0] for g in got]
+    assert all(torch.equal(w[1], g[1]) for w, g in zip(want, got))  # decoded pixels too
+
+
+def test_webdataset_png_input_and_errors(tmp_path):
+    src = _shapes_folder(tmp_path / "f", n_train=8, n_val=4, fmt="PNG")
+    out = _make_shards(src, tmp_path / "s", "--shard-size", "5")
+    train, val = build_datasets(wds_cfg(out), seed=0)
+    assert train.images[torch.arange(8)].shape == (8, 24, 24, 3) and len(val) == 4
+    with open(out / "train-000000.tar", "rb") as f:
+        assert b"JFIF" in f.read(4096)  # re-encoded as JPEG for nvJPEG
+    with pytest.raises(DataError, match="webdataset"):
+        build_datasets(wds_cfg(tmp_path / "nope"), seed=0)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="train-"):
+        build_datasets(wds_cfg(empty), seed=0)
+
+
+def test_device_decode_path_with_a_stand_in_decoder(shards):
+    """``data.decode=cuda`` hands microbatches over encoded; the device path (decode, resize,
+    crop, stack) gives the CPU path's pixels up to resampling (nvJPEG itself is GPU-only)."""
+    from vitgraph.data.shards import decode_on_device
+    _, out = shards
+    cpu, _ = build_datasets(wds_cfg(out), seed=0)
+    enc, _ = build_datasets(wds_cfg(out, decode="cpu"), seed=0)
+    enc.images.decode = "cuda"
+    batch = enc.images[torch.tensor([3, 1, 7])]
+    assert len(batch) == 3 and batch.size == 24
+
+    def pil_decode(data):
+        import io
+        return [torch.from_numpy(np.asarray(Image.open(io.BytesIO(bytes(d.numpy()))).convert("RGB"))
+                                 ).permute(2, 0, 1) for d in data]
+
+    got = decode_on_device(batch, "cpu", decoder=pil_decode)
+    want = cpu.images[torch.tensor([3, 1, 7])]
+    assert got.shape == want.shape and got.dtype == torch.uint8
+    assert (got.float() - want.float()).abs().mean() < 2  # same size: no resize, same pixels
+
+
+def test_cache_one_entry_per_dataset_whatever_the_run_seed_and_bounded(tmp_path):
+    cache = tmp_path / "cache"
+    cfg = shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=0)
+    a, _ = build_datasets(cfg, seed=1)
+    b, _ = build_datasets(cfg, seed=2)  # another run seed, the same data and cache entries
+    assert torch.equal(a.images, b.images) and len(os.listdir(cache)) == 2
+    seed0 = set(os.listdir(cache))
+    c, _ = build_datasets(shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=5), 1)
+    assert not torch.equal(a.images, c.images) and len(os.listdir(cache)) == 4
+    seed5 = set(os.listdir(cache)) - seed0
+    size = sum(os.path.getsize(cache / f) for f in seed0)  # one dataset: train + val
+    for f in os.listdir(cache):
+        os.utime(cache / f, (1, 1))  # long unused
+    build_datasets(cfg, seed=3)  # a read makes seed 0's entries the most recently used
+    # a cap of 2.5 datasets: writing a third evicts the least recently used (seed 5's)
+    capped = shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=6,
+                        cache_max_mb=2.5 * size / 2**20)
+    build_datasets(capped, seed=1)
+    files = set(os.listdir(cache))
+    assert seed0 <= files and not seed5 & files and len(files) == 4
+    assert sum(os.path.getsize(cache / f) for f in files) <= 2.5 * size
+    d, _ = build_datasets(shapes_cfg(num_train=64, num_val=32, cache_dir=str(cache), seed=0,
+                                     cache_max_mb=1e-6), seed=1)  # read: kept, others go
+    assert torch.equal(d.images, a.images)
+    from vitgraph.data.shapes import prune_cache
+    assert prune_cache(str(cache), 0) and os.listdir(cache) == []
+
+
+def test_bench_data_runs_on_cpu(tmp_path, env):
+    import json
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--synthetic", "40",
+                    "--synthetic-size", "64x48", "--batch", "8", "--steps", "2", "--warmup", "1",
+                    "--image-size", "32", "--workers", "1", "--augment", "--decode", "cpu",
+                    "--out", str(out)], check=True, capture_output=True, env=env, timeout=300)
+    result = json.loads(out.read_text())
+    row = result["rows"][0]
+    assert row["images_per_s"] > 0 and row["shape"] == [8, 3, 32, 32] and row["decode"] == "cpu"
+    assert result["provenance"]["torch"] == torch.__version__
+
+
+def test_training_from_shards_with_augmentation(shards, tmp_path, env):
+    import json
+    import subprocess
+    from conftest import ROOT, tiny_overrides, vitgraph_cmd
+    _, out = shards
+    over = tiny_overrides(tmp_path / "run", steps=6, **{
+        "data.kind": "webdataset", "data.path": str(out), "data.render_size": 24,
+        "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_batch_size": 10,
+        "data.augment.enabled": "true"})
+    p = subprocess.run(vitgraph_cmd("train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"), *over),
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["step"] == 6 and metrics["eval_images"] == 20
+    assert 0 < metrics["loss"] < 10

@@ -15,7 +15,7 @@ dist1 = world_of_one("torch")
 def build(d, *over):
     from vitgraph.parallel.setup import build_model
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
-    return build_model(cfg, d, 10), cfg
+    return build_model(cfg, d, 10)[0], cfg
 
 
 def test_registry_names_and_aliases():

@@ -1,22 +1,56 @@
-"""``vitgraph train CONFIG [key=value ...]`` (also ``python -m vitgraph``, and under torchrun)."""
+"""``vitgraph train|eval|export|configs|models|cache`` (also ``python -m vitgraph``, and under
+torchrun)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    from vitgraph import __version__
     parser = argparse.ArgumentParser(
         prog="vitgraph", description="Train vision encoders on megatron-core and TE.")
+    parser.add_argument("--version", action="version", version=f"vitgraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a YAML config",
                         description="Train from CONFIG; key=value pairs override it "
                                     "(e.g. train.steps=100 model.spec=torch).")
-    tr.add_argument("config", help="YAML experiment config (see configs/)")
+    tr.add_argument("config", nargs="?", help="YAML experiment config (see `vitgraph configs`)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    parser.train_parser = tr
+    ev = sub.add_parser("eval", help="evaluate a run's newest (or a named) checkpoint",
+                        description="Evaluate the checkpoint of the run CONFIG describes (with the "
+                                    "same overrides as its training); writes "
+                                    "<run_dir>/eval-<step>.json and changes nothing else.")
+    ev.add_argument("config", help="the run's YAML config (or its run_dir/config.yaml)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    ev.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
+    ev.add_argument("--split", choices=("val", "train"), default="val",
+                    help="the held-out split (default) or the training split, unaugmented")
+    ex = sub.add_parser("export", help="write a run's model weights as safetensors",
+                        description="Write the model weights of RUN_DIR's newest (or a named) "
+                                    "checkpoint as safetensors, with vitgraph, timm or Hugging "
+                                    "Face parameter names.")
+    ex.add_argument("run_dir")
+    ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "hf", "open_clip"))
+    ex.add_argument("--out", required=True, help="output .safetensors file (hf: config.json is "
+                                                 "written beside it)")
+    ex.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
+    sub.add_parser("configs", help="list the bundled configs with their header lines")
     sub.add_parser("models", help="list the registered model names")
-    args = parser.parse_args(argv)
+    ca = sub.add_parser("cache", help="show (or --clear) the generated-dataset cache")
+    ca.add_argument("--clear", action="store_true", help="delete every cached dataset")
+    ca.add_argument("--dir", default=None, help="cache directory (default: data.cache_dir's default)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "models":
         from vitgraph.models.registry import ALIASES, MODELS
         for name, a in MODELS.items():
@@ -25,27 +59,44 @@ def main(argv: list[str] | None = None) -> int:
         for alias, name in ALIASES.items():
             print(f"{alias:28s} -> {name}")
         return 0
-
+    if args.command == "configs":
+        return _configs()
+    if args.command == "cache":
+        return _cache(args)
+    if args.command == "export":
+        return _export(args)
+    if args.command == "train" and not args.config:
+        parser.train_parser.print_help(sys.stderr)
+        return 2
     from vitgraph.config import ConfigError, load_config
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
+    from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
     from vitgraph.train.checkpoint import NoIntactCheckpoint
-    from vitgraph.train.loop import TrainingFailed, train
+    from vitgraph.train.loop import TrainingFailed
     from vitgraph.train.preempt import PREEMPTED_EXIT, Preempted
-    # exit codes: 0 done (or already finished), 2 the user's input (config, data, no usable
-    # checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal with a checkpoint
-    # saved (requeue), 1 a failure during training (traceback in train.log)
+    # exit codes: 0 done (or already finished), 2 the user's input (config, data, weights, no
+    # usable checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal with a
+    # checkpoint saved (requeue), 1 a failure during training (traceback in train.log)
     try:
-        train(cfg)
+        if args.command == "eval":
+            from vitgraph.train.evaluate import evaluate_checkpoint
+            result = evaluate_checkpoint(cfg, args.checkpoint, args.split)
+            if "path" in result:
+                print(result["path"])
+        else:
+            from vitgraph.train.loop import train
+            train(cfg)
     except ConfigError as e:  # the run folder holds another run
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
-    except DataError as e:  # unreadable data found after start-up: still the user's input
-        print(f"vitgraph: data error: {e}", file=sys.stderr)
+    except (DataError, ConvertError) as e:  # found after start-up: still the user's input
+        print(f"vitgraph: {'data' if isinstance(e, DataError) else 'weights'} error: {e}",
+              file=sys.stderr)
         return 2
     except NoIntactCheckpoint as e:
         print(f"vitgraph: checkpoint error: {e}", file=sys.stderr)
@@ -57,6 +108,89 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vitgraph: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _configs() -> int:
+    files = sorted(CONFIGS_DIR.glob("*.yaml"))
+    if not files:
+        print(f"no bundled configs in {CONFIGS_DIR}", file=sys.stderr)
+        return 1
+    for f in files:
+        header = []
+        for line in f.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            header.append(line[1:].strip())
+        sentences = " ".join(header).split(". ")
+        first = sentences[0].strip()
+        if len(first) < 40 and len(sentences) > 1:  # "name: the default" says too little
+            first += ". " + sentences[1].strip()
+        print(f"{str(f.relative_to(CONFIGS_DIR.parent)):36s} {first}")
+    return 0
+
+
+def _cache(args) -> int:
+    from vitgraph.config import DataConfig
+    from vitgraph.data.shapes import cache_files
+    cache_dir = os.path.expanduser(args.dir or DataConfig().cache_dir)
+    files = cache_files(cache_dir)
+    size = sum(os.path.getsize(f) for f in files)
+    if args.clear:
+        for f in files:
+            os.remove(f)
+        print(f"{cache_dir}: removed {len(files)} cached datasets ({size / 2**20:.1f} MB)")
+    else:
+        print(f"{cache_dir}: {len(files)} cached datasets, {size / 2**20:.1f} MB "
+              f"(limit data.cache_max_mb={DataConfig().cache_max_mb:.0f})")
+    return 0
+
+
+def _export(args) -> int:
+    import json
+
+    import yaml
+
+    from vitgraph.config import ConfigError, ModelConfig, _build
+    from vitgraph.convert import (ConvertError, from_vitgraph, read_checkpoint_weights,
+                                  save_safetensors)
+    from vitgraph.models.registry import resolve_arch
+    run_dir = Path(args.run_dir)
+    try:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        model_cfg = _build(ModelConfig, raw.get("model") or {}, str(run_dir / "config.yaml"),
+                           "model.")
+        arch = resolve_arch(model_cfg)
+        sd, step, path = read_checkpoint_weights(run_dir, args.checkpoint)
+        out = from_vitgraph(sd, args.format, arch.num_heads)
+        meta = {"format": "pt", "vitgraph_format": args.format, "step": step,
+                "checkpoint": str(path), "model": model_cfg.name}
+        written = save_safetensors(out, args.out, meta)
+        if args.format == "hf":
+            cfg_path = written.parent / "config.json"
+            cfg_path.write_text(json.dumps(_hf_config(arch, model_cfg, sd), indent=2) + "\n")
+            print(cfg_path)
+    except FileNotFoundError as e:
+        print(f"vitgraph: export: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, ConvertError) as e:
+        print(f"vitgraph: export: {e}", file=sys.stderr)
+        return 2
+    print(written)
+    return 0
+
+
+def _hf_config(arch, model_cfg, sd) -> dict:
+    """A transformers ``ViTConfig`` for the exported weights (ViTForImageClassification)."""
+    n = int(sd["head.weight"].shape[0]) if "head.weight" in sd else 0
+    return {"architectures": ["ViTForImageClassification"], "model_type": "vit",
+            "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
+            "num_attention_heads": arch.num_heads, "intermediate_size": arch.ffn_hidden_size,
+            "hidden_act": "gelu", "layer_norm_eps": model_cfg.layernorm_epsilon,
+            "image_size": arch.image_size, "patch_size": arch.patch_size, "num_channels": 3,
+            "qkv_bias": True, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+            "id2label": {str(i): f"LABEL_{i}" for i in range(n)},
+            "label2id": {f"LABEL_{i}": i for i in range(n)}}
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
+from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
 
 
@@ -52,21 +53,41 @@ class ModelConfig:
     # TE spec on GPU: weight-gradient GEMMs accumulate straight into megatron DDP's fp32
     # main_grad (no per-parameter accumulation hook work); ignored by the torch spec
     gradient_accumulation_fusion: bool = True
+    # start from these weights (.safetensors, .pth, .bin; timm, Hugging Face or vitgraph names,
+    # see vitgraph/convert). A head of another class count is re-initialised, position
+    # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
+    init_from: Optional[str] = None
+    init_format: str = "auto"  # auto | timm | hf | open_clip | vitgraph
 
 
 @dataclass
 class DataConfig:
-    kind: str = "shapes"  # shapes (embedded, procedural) | imagefolder
-    path: Optional[str] = None  # imagefolder root holding train/ and val/
+    kind: str = "shapes"  # shapes (embedded, procedural) | imagefolder | webdataset
+    # imagefolder: root holding train/ and val/; webdataset: folder of train-*.tar, val-*.tar
+    path: Optional[str] = None
     num_train: int = 50000  # shapes only
     num_val: int = 2000  # shapes only
     render_size: int = 32  # size images are drawn / decoded at; resized to model.image_size
     num_classes: int = 10  # shapes only
+    # shapes: the dataset's own seed; runs with other train.seed values share its cache entry
+    # (null: derive the data from train.seed)
+    seed: Optional[int] = 0
+    # generated datasets are cached here (`vitgraph cache` shows it, `vitgraph cache --clear`
+    # empties it), least recently used first out beyond cache_max_mb
     cache_dir: Optional[str] = "~/.cache/vitgraph"
+    cache_max_mb: float = 1024.0
     workers: int = 2
     # imagefolder: decode every image up front (fast steps, memory ~ N x size^2 x 3 bytes);
     # false decodes each batch on demand in `workers` threads (large folders, e.g. ImageNet)
     preload: bool = True
+    # training-time augmentation, batched on the device (vitgraph/data/augment.py); off for
+    # held-out data always
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
+    # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
+    decode: str = "cpu"
+    # webdataset: shards are shuffled, and samples within windows of this many shards
+    shuffle_shards: int = 4
 
 
 @dataclass
@@ -91,7 +112,12 @@ class TrainConfig:
     epochs: Optional[float] = None
     label_smoothing: float = 0.0
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | fp8 (TE spec on a GPU: FP8 GEMMs inside
+    # the encoder layers, bf16 elsewhere, fp32 master weights in the optimizer as for bf16)
+    precision: str = "auto"
+    # TE scaling recipe for precision=fp8: current (per-tensor current scaling), delayed
+    # (amax history), mxfp8 (Blackwell only: a config error on Hopper)
+    fp8_recipe: str = "current"
     log_every: int = 50
     eval_every: int = 500  # 0: only at the end
     eval_batch_size: int = 256
@@ -108,8 +134,28 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
+    """Layout: world = dp x tp x pp; data parallel is what is left of the world size."""
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline stages
+    # virtual stages per pipeline rank (interleaved 1F1B); 1 = plain 1F1B. Needs pp > 1, layers
+    # divisible by pp x vpp, and microbatches per step a multiple of pp
+    vpp: int = 1
+    # sequence parallel: norms, dropout and the residual stream split along the tokens across
+    # the tp ranks (needs tp > 1); tokens are padded to a multiple of tp and masked
+    sequence_parallel: bool = False
+    # GPU: shard the optimizer state (and fp32 master weights) over data-parallel ranks
+    # (megatron's distributed optimizer). It also pads every parameter's gradient to a
+    # 256-byte boundary, which TE's fused weight-gradient GEMMs need to run at full speed.
+    # The CPU path (gloo, fp32 torch AdamW) has no distributed optimizer and ignores this.
+    distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True  # GPU: reduce gradient buckets during the backward pass
+    overlap_param_gather: bool = False  # GPU, distributed optimizer: gather params in forward
+    # a collective that has not finished after this long ends the run with an error naming
+    # the rank and the operation (NCCL watchdog / gloo timeout)
+    timeout_minutes: float = 10.0
+    # NCCL user-buffer registration inside CUDA graphs (NCCL_GRAPH_REGISTER); off by default
+    # because it has hung tensor-parallel runs with graphs (Megatron-Bridge reports)
+    nccl_graph_register: bool = False
 
 
 @dataclass
@@ -147,8 +193,11 @@ class Config:
 CHOICES = {
     "model.spec": ("auto", "te", "torch"),
     "model.pool": ("cls", "mean"),
-    "data.kind": ("shapes", "imagefolder"),
-    "train.precision": ("auto", "bf16", "fp32"),
+    "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
+    "data.kind": ("shapes", "imagefolder", "webdataset"),
+    "data.decode": ("cpu", "cuda", "auto"),
+    "train.precision": ("auto", "bf16", "fp32", "fp8"),
+    "train.fp8_recipe": ("current", "delayed", "mxfp8"),
 }
 
 
@@ -269,6 +318,7 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             err(key, value, f"must be one of {', '.join(choices)}")
     try:
         cfg.graphs.validate()
+        cfg.data.augment.validate()
     except ValueError as e:
         raise ConfigError(f"{src}: {e}") from None
 
@@ -281,6 +331,9 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             f"not divisible by model.patch_size={arch.patch_size}")
     if arch.hidden_size % arch.num_heads:
         err("model.hidden_size", arch.hidden_size, f"not divisible by model.num_heads={arch.num_heads}")
+
+    if cfg.model.init_from and not Path(cfg.model.init_from).expanduser().is_file():
+        err("model.init_from", cfg.model.init_from, "no such file")
 
     t = cfg.train
     for key in ("global_batch_size", "micro_batch_size", "eval_batch_size", "log_every"):
@@ -302,9 +355,11 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("train.inject_nan_steps", t.inject_nan_steps, "expected steps such as '5' or '5-7,9'")
 
     p = cfg.parallel
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "vpp"):
         if getattr(p, key) < 1:
             err(f"parallel.{key}", getattr(p, key), "must be >= 1")
+    if p.timeout_minutes <= 0:
+        err("parallel.timeout_minutes", p.timeout_minutes, "must be positive")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (p.tp * p.pp):
         raise ConfigError(f"{src}: parallel.tp x parallel.pp = {p.tp} x {p.pp}: world size {world} "
@@ -315,8 +370,25 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             f"not divisible by micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
     if arch.num_heads % p.tp:
         err("parallel.tp", p.tp, f"model.num_heads={arch.num_heads} is not divisible by it")
-    if arch.num_layers % p.pp:
-        err("parallel.pp", p.pp, f"model.num_layers={arch.num_layers} is not divisible by it")
+    if arch.ffn_hidden_size % p.tp:
+        err("parallel.tp", p.tp, f"model.ffn_hidden_size={arch.ffn_hidden_size} is not divisible by it")
+    if p.vpp > 1 and p.pp == 1:
+        err("parallel.vpp", p.vpp, "virtual pipeline stages need parallel.pp > 1")
+    if arch.num_layers % (p.pp * p.vpp):
+        err("parallel.pp", p.pp, f"model.num_layers={arch.num_layers} is not divisible by "
+                                 f"parallel.pp x parallel.vpp = {p.pp} x {p.vpp}")
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vpp > 1 and microbatches % p.pp:
+        err("train.global_batch_size", t.global_batch_size,
+            f"interleaved pipelining (parallel.vpp={p.vpp}) needs the microbatches per step "
+            f"({microbatches} = global / (micro x dp)) to be a multiple of parallel.pp={p.pp}")
+    if p.sequence_parallel and p.tp == 1:
+        err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
+    if t.precision == "fp8" and cfg.model.spec == "torch":
+        err("train.precision", "fp8", "FP8 needs Transformer Engine layers (model.spec=te or auto on a GPU)")
+    if t.precision == "fp8" and cfg.graphs.enabled and cfg.graphs.impl != "te":
+        err("graphs.impl", cfg.graphs.impl, "train.precision=fp8 with graphs needs graphs.impl=te "
+                                             "(TE owns the FP8 scaling state around each replay)")
 
     o = cfg.optim
     if o.lr <= 0:
@@ -336,6 +408,12 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         for split in ("train", "val"):
             if not (root / split).is_dir():
                 err("data.path", d.path, f"has no {split}/ folder")
+    elif d.kind == "webdataset":
+        if not d.path or not Path(d.path).expanduser().is_dir():
+            err("data.path", d.path, "data.kind=webdataset needs data.path (a folder of "
+                "train-*.tar and val-*.tar shards)")
+        if d.shuffle_shards < 1:
+            err("data.shuffle_shards", d.shuffle_shards, "must be >= 1")
     elif d.num_train <= 0 or d.num_val <= 0:
         err("data.num_train", d.num_train, "data.num_train and data.num_val must be positive")
     if d.render_size <= 0:

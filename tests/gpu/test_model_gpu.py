@@ -17,7 +17,7 @@ def _build(d, spec, *over):
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
                       ["data.kind=shapes", f"model.spec={spec}", "model.num_layers=4",
                        "model.gradient_accumulation_fusion=false", *over])
-    return build_model(cfg, d, 10)
+    return build_model(cfg, d, 10)[0]
 
 
 def _rel(a, b):

@@ -11,7 +11,8 @@ from vitgraph.data.shapes import CLASSES as SHAPES_CLASSES
 
 
 def build_datasets(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
-    """(train, held-out) for ``data_cfg.kind`` ("shapes" | "imagefolder") and run seed ``seed``.
+    """(train, held-out) for ``data_cfg.kind`` ("shapes" | "imagefolder" | "webdataset") and
+    run seed ``seed``.
 
     ``data_cfg`` is duck-typed: kind, path, num_train, num_val, render_size, num_classes,
     cache_dir, workers.
@@ -22,7 +23,13 @@ def build_datasets(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
     if data_cfg.kind == "imagefolder":
         from vitgraph.data.imagefolder import build_imagefolder
         return build_imagefolder(data_cfg, seed)
-    raise DataError(f"unknown data.kind {data_cfg.kind!r} (expected 'shapes' or 'imagefolder')")
+    if data_cfg.kind == "webdataset":
+        from vitgraph.data.shards import build_webdataset
+        train, val = build_webdataset(data_cfg, seed)
+        train.images.shuffle_shards = getattr(data_cfg, "shuffle_shards", 4)
+        return train, val
+    raise DataError(f"unknown data.kind {data_cfg.kind!r} (expected 'shapes', 'imagefolder' "
+                    "or 'webdataset')")
 
 
 __all__ = ["DataError", "ImageDataset", "MicrobatchLoader", "SHAPES_CLASSES", "build_datasets",

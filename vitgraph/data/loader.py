@@ -52,6 +52,22 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return x % 2**63
 
 
+def _shard_window_permutation(shard_ids: torch.Tensor, window: int, seed: int) -> torch.Tensor:
+    """Shards in a random order, samples shuffled within each window of ``window`` shards: a
+    permutation of all samples whose consecutive global batches read from few shards."""
+    gen = torch.Generator().manual_seed(seed)
+    num_shards = int(shard_ids.max()) + 1 if len(shard_ids) else 0
+    order = torch.randperm(num_shards, generator=gen)
+    by_shard = torch.argsort(shard_ids, stable=True)
+    counts = torch.bincount(shard_ids, minlength=num_shards)
+    starts = torch.cumsum(counts, 0) - counts
+    parts = []
+    for w in range(0, num_shards, window):
+        members = torch.cat([by_shard[starts[s]:starts[s] + counts[s]] for s in order[w:w + window]])
+        parts.append(members[torch.randperm(len(members), generator=gen)])
+    return torch.cat(parts) if parts else torch.arange(0)
+
+
 class MicrobatchLoader:
     """Deterministic, resumable, data-parallel-sharded microbatches.
 
@@ -60,6 +76,9 @@ class MicrobatchLoader:
     ``G = micro_batch_size * num_microbatches * dp_size``; rank ``r`` gets the ``r``-th slice
     of ``micro_batch_size * num_microbatches`` samples, cut into microbatches in order. So the
     union over ranks of one step depends only on G, not on how it is split.
+
+    Sharded data (``dataset.images.shuffle_shards`` > 0, WebDataset) is permuted shard-wise
+    instead: shards in random order, samples shuffled within windows of that many shards.
 
     ``drop_last=True`` drops the tail of each epoch that does not fill a global batch.
     ``drop_last=False`` keeps it and fills the last global batch by wrapping round to the
@@ -98,7 +117,11 @@ class MicrobatchLoader:
     def _permutation(self) -> torch.Tensor:
         if self._perm_epoch != self.epoch:
             n = len(self.dataset)
-            if self.shuffle:
+            window = getattr(self.dataset.images, "shuffle_shards", 0)
+            if self.shuffle and window:
+                self._perm = _shard_window_permutation(self.dataset.images.shard_ids, window,
+                                                       _epoch_seed(self.seed, self.epoch))
+            elif self.shuffle:
                 gen = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
                 self._perm = torch.randperm(n, generator=gen)
             else:
@@ -159,9 +182,20 @@ def iterate_eval(dataset: ImageDataset, batch_size: int, dp_rank: int = 0,
         yield dataset.images[start:end], dataset.labels[start:end]
 
 
+def to_device_uint8(images, device) -> torch.Tensor:
+    """A microbatch's images as uint8 [b,H,W,3] on ``device``: moved (uint8: 4x fewer bytes
+    than float), or decoded there when they come still encoded (``data.decode=cuda``)."""
+    if isinstance(images, torch.Tensor):
+        return images.to(device, non_blocking=True)
+    from vitgraph.data.shards import EncodedImages, decode_on_device
+    if isinstance(images, EncodedImages):
+        return decode_on_device(images, device)
+    raise TypeError(f"images must be a uint8 tensor or EncodedImages, got {type(images).__name__}")
+
+
 def to_model_input(images_uint8: torch.Tensor, image_size: int, device, dtype) -> torch.Tensor:
     """uint8 [b,H,W,3] -> normalized [b,3,image_size,image_size] of ``dtype`` on ``device``."""
-    x = images_uint8.to(device, non_blocking=True)  # move uint8: 4x fewer bytes than float
+    x = to_device_uint8(images_uint8, device)
     x = x.permute(0, 3, 1, 2).float().div_(255.0)
     mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
     std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)

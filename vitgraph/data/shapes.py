@@ -276,7 +276,7 @@ def generate(num: int, split_seed: int, num_classes: int = 10, render_size: int 
 
 
 def split_seed(seed: int, split: str) -> int:
-    """The data seed of a split, derived from the run seed (train and val never collide)."""
+    """The seed of a split, derived from the data seed (train and val never collide)."""
     h = hashlib.sha256(f"vitgraph-shapes/{split}/{int(seed)}".encode()).digest()
     return int.from_bytes(h[:8], "little")
 
@@ -293,8 +293,9 @@ def _cache_path(cache_dir, params):
 
 
 def load_or_generate(split: str, num: int, seed: int, num_classes: int, render_size: int,
-                     workers: int, cache_dir: str | None):
-    """Like ``generate`` for one split of run seed ``seed``, through the .npz cache."""
+                     workers: int, cache_dir: str | None, cache_max_mb: float = 1024):
+    """Like ``generate`` for one split of data seed ``seed``, through the .npz cache (kept
+    under ``cache_max_mb`` by least-recently-used eviction)."""
     params = {"version": VERSION, "split": split, "num": num, "seed": int(seed),
               "num_classes": num_classes, "render_size": render_size, "chunk": CHUNK,
               "supersample": SUPERSAMPLE, "drawing": _drawing_params()}
@@ -302,7 +303,12 @@ def load_or_generate(split: str, num: int, seed: int, num_classes: int, render_s
     if path and os.path.exists(path):
         try:
             with np.load(path, allow_pickle=False) as z:
-                return z["images"], z["labels"], z["captions"].tolist()
+                out = z["images"], z["labels"], z["captions"].tolist()
+            # last use, in the access time (the modification time stays the write's), for the
+            # size cap's least-recently-used eviction
+            import time
+            os.utime(path, (time.time(), os.stat(path).st_mtime))
+            return out
         except Exception:  # truncated or foreign file: regenerate and overwrite it
             pass
     images, labels, captions = generate(num, split_seed(seed, split), num_classes,
@@ -318,11 +324,46 @@ def load_or_generate(split: str, num: int, seed: int, num_classes: int, render_s
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
+        prune_cache(cache_dir, cache_max_mb * 2**20, keep=path)
     return images, labels, captions
 
 
+def cache_files(cache_dir: str) -> list[str]:
+    if not cache_dir or not os.path.isdir(cache_dir):
+        return []
+    return [os.path.join(cache_dir, f) for f in os.listdir(cache_dir)
+            if f.startswith("shapes_v") and f.endswith(".npz")]
+
+
+def prune_cache(cache_dir: str, max_bytes: int, keep: str | None = None) -> list[str]:
+    """Delete the least recently used cached datasets until the cache is <= ``max_bytes``
+    (``keep``, the file just written or read, stays). Returns the deleted paths."""
+    files = []
+    for f in cache_files(cache_dir):
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:  # another rank pruned it
+            continue
+        files.append((max(st.st_atime, st.st_mtime), st.st_size, f))
+    total = sum(size for _, size, _ in files)
+    removed = []
+    for _, size, f in sorted(files):  # oldest use first
+        if total <= max_bytes:
+            break
+        if keep and os.path.abspath(f) == os.path.abspath(keep):
+            continue
+        try:
+            os.remove(f)
+        except FileNotFoundError:
+            pass
+        total -= size
+        removed.append(f)
+    return removed
+
+
 def build_shapes(data_cfg, seed: int):
-    """(train, held-out) ImageDatasets of the shapes task for run seed ``seed``."""
+    """(train, held-out) ImageDatasets of the shapes task: ``data_cfg.seed``'s data, or run
+    seed ``seed``'s when that is None."""
     import torch
 
     from vitgraph.data.loader import DataError, ImageDataset
@@ -330,11 +371,16 @@ def build_shapes(data_cfg, seed: int):
     if not 1 <= data_cfg.num_classes <= len(CLASSES):
         raise DataError(f"data.num_classes={data_cfg.num_classes}: the shapes data has "
                         f"{len(CLASSES)} classes ({', '.join(CLASSES)})")
+    # data.seed fixes the dataset whatever the run seed, so runs that differ only in
+    # train.seed share one cached dataset; null derives the data from the run seed
+    data_seed = getattr(data_cfg, "seed", None)
+    seed = seed if data_seed is None else data_seed
     out = []
     for split, num in (("train", data_cfg.num_train), ("val", data_cfg.num_val)):
         images, labels, captions = load_or_generate(
             split, num, seed, data_cfg.num_classes, data_cfg.render_size,
-            data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir))
+            data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir),
+            getattr(data_cfg, "cache_max_mb", 1024))
         out.append(ImageDataset(torch.from_numpy(np.ascontiguousarray(images)),
                                 torch.from_numpy(labels.astype(np.int64)),
                                 CLASSES[:data_cfg.num_classes], captions))

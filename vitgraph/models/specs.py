@@ -7,6 +7,8 @@ state dict moves between the two unchanged (TE adds only ``_extra_state`` entrie
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -62,34 +64,38 @@ class SDPAttention(MegatronModule):
 
     megatron-core 0.16.1's local ViT spec masks causally, which is wrong for a ViT; this is the
     drop-in core attention for the ``torch`` spec: [s, b, heads, d] in, [s, b, heads * d] out.
+    With a padding mask ([b, 1, 1, s], True = masked key, megatron's convention) padded keys
+    are left out.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                  pg_collection=None):
         super().__init__(config=config)
-        assert attn_mask_type == AttnMaskType.no_mask, "a ViT attends bidirectionally"
+        assert attn_mask_type in (AttnMaskType.no_mask, AttnMaskType.padding), \
+            "a ViT attends bidirectionally"
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        keep = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=keep, dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _layer_spec(qkv, core_attention, proj, fc1, fc2) -> ModuleSpec:
+def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=IdentityOp,  # fused into linear_qkv
             self_attention=ModuleSpec(
                 module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.no_mask},
+                params={"attn_mask_type": mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=qkv, core_attention=core_attention, linear_proj=proj),
             ),
@@ -101,13 +107,20 @@ def _layer_spec(qkv, core_attention, proj, fc1, fc2) -> ModuleSpec:
     )
 
 
-def get_layer_spec(name: str) -> ModuleSpec:
+def get_layer_spec(name: str, padding_mask: bool = False) -> ModuleSpec:
+    """The layer spec; ``padding_mask``: attention takes a key-padding mask (token padding,
+    see vitgraph.models.vit), otherwise no mask at all."""
+    mask = AttnMaskType.padding if padding_mask else AttnMaskType.no_mask
     if name == "te":
         # megatron-core's TE ViT spec: no mask, layer norms fused into the linears
         from megatron.core.models.vision.vit_layer_specs import (
             get_vit_layer_with_transformer_engine_spec)
-        return get_vit_layer_with_transformer_engine_spec()
+        spec = get_vit_layer_with_transformer_engine_spec()
+        if padding_mask:
+            spec = copy.deepcopy(spec)
+            spec.submodules.self_attention.params["attn_mask_type"] = mask
+        return spec
     if name == "torch":
         return _layer_spec(LayerNormColumnParallelLinear, SDPAttention, RowParallelLinear,
-                           LayerNormColumnParallelLinear, RowParallelLinear)
+                           LayerNormColumnParallelLinear, RowParallelLinear, mask)
     raise ValueError(f"unknown layer spec {name!r}; known: {', '.join(SPECS)}")

@@ -2,8 +2,15 @@
 embeddings, a ``TransformerBlock`` of the chosen layer spec, final norm, classification head.
 
 Pipeline-stage aware: ``pre_process`` stages own the embedding, ``post_process`` stages the norm
-and head, every stage its share of the layers. The model knows nothing of data parallelism or
-graphs; those are applied from outside (vitgraph.parallel.setup).
+and head, every stage (or virtual stage, ``vp_stage``) its share of the layers. The model knows
+nothing of data parallelism or graphs; those are applied from outside (vitgraph.parallel.setup).
+
+Token padding (``pad_to``): sequence parallel splits the tokens over the tensor-parallel ranks
+and FP8 GEMMs need the token count to be a multiple of 16, so the sequence can be padded with
+zero tokens at its end. Padded tokens are masked out as attention keys (a padding mask, True =
+masked, as megatron and TE take it), so real tokens never see them; they pass through the
+per-token MLPs and norms harmlessly and are dropped before the final norm. The class token and
+the mean pool therefore see exactly what an unpadded model computes.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -20,13 +28,24 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from vitgraph.models.registry import ViTArch
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The ViT inside megatron's DDP / Float16Module wrappers."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
 class ViT(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, arch: ViTArch,
                  num_classes: int, *, num_registers: int = 0, class_token: bool = True,
                  pool: str = "cls", pre_process: bool = True, post_process: bool = True,
-                 vp_stage: int | None = None):
+                 vp_stage: int | None = None, pad_to=None):
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
+        self.share_embeddings_and_output_weights = False  # read by finalize_model_grads
+        # micro-batch -> multiple to pad the token count to (None: never pad); see the docstring
+        self.pad_to = pad_to
+        self.seq_len = int(class_token) + num_registers + arch.num_patches()
         self.arch = arch
         self.pre_process, self.post_process = pre_process, post_process
         self.num_prefix = int(class_token) + num_registers
@@ -89,11 +108,44 @@ class ViT(MegatronModule):
         x = torch.cat([*prefix, x], dim=1) + self._pos_embed(grid)
         return x.transpose(0, 1).contiguous()
 
+    def padded_len(self, micro_batch: int, seq_len: int | None = None) -> int:
+        s = seq_len or self.seq_len
+        if self.pad_to is None:
+            return s
+        m = self.pad_to(micro_batch)
+        return -(-s // m) * m
+
+    def _padding_mask(self, b: int, s: int, device) -> torch.Tensor | None:
+        if self.pad_to is None:
+            return None
+        padded = self.padded_len(b, s)
+        mask = torch.arange(padded, device=device) >= s  # True: a padded key, masked out
+        return mask.view(1, 1, 1, padded).expand(b, 1, 1, padded)
+
     def forward(self, images: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed(images) if self.pre_process else None
-        hidden = self.decoder(hidden_states=hidden, attention_mask=None)
+        sp = self.config.sequence_parallel
+        if self.pre_process:
+            hidden = self.embed(images)
+            s, b = hidden.shape[0], hidden.shape[1]
+            padded = self.padded_len(b, s)
+            if padded > s:
+                hidden = F.pad(hidden, (0, 0, 0, 0, 0, padded - s))
+            if sp:
+                hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
+            device = hidden.device
+        else:  # a later stage: the previous one's output, set through set_input_tensor
+            hidden = None
+            received = self.decoder.input_tensor
+            b, device = received.shape[1], received.device
+            s = self.seq_len
+        mask = self._padding_mask(b, s, device)
+        hidden = self.decoder(hidden_states=hidden, attention_mask=mask)
         if not self.post_process:
             return hidden
+        if sp:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False)
+        hidden = hidden[: self.seq_len]
         hidden = self.final_norm(hidden)
         if self.pool == "cls" and self.class_token:
             feats = hidden[0]

@@ -6,7 +6,11 @@ megatron-core assumes CUDA in a few places that a ViT training step touches:
   ``torch.cuda.synchronize()``;
 - ``model_parallel_cuda_manual_seed`` seeds CUDA generators and forks CUDA RNG states;
 - grad-norm clipping builds its all-reduce buffer with ``device='cuda'`` (we use our own
-  ``clip_grad_norm`` instead, see below) and the megatron optimizers hold CUDA tensors.
+  ``clip_grad_norm`` instead, see below) and the megatron optimizers hold CUDA tensors;
+- sequence parallel's all-gather buffer (``GlobalMemoryBuffer``) is made on
+  ``torch.cuda.current_device()``;
+- dist_checkpointing's save path synchronizes CUDA and builds its consistency-check tensors
+  on ``torch.cuda.current_device()``.
 Each shim swaps the module-level ``torch`` name of one megatron module for a proxy that maps
 those calls to the CPU, so the real ``torch`` is untouched for everyone else.
 """
@@ -92,12 +96,18 @@ def install() -> bool:
     if _installed:
         return True
     from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.strategies import (async_utils, filesystem_async,
+                                                             state_dict_saver)
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import random as tp_random
 
     proxy = _CpuTorch()
-    schedules.torch = proxy
-    p2p_communication.torch = proxy
+    from megatron.core import utils as core_utils  # GlobalMemoryBuffer (sequence parallel)
+    # sequence parallel: scatter / gather, and the linears' backward all-gather buffers
+    from megatron.core.tensor_parallel import layers, mappings
+    for module in (schedules, p2p_communication, async_utils, filesystem_async, state_dict_saver,
+                   core_utils, mappings, layers):
+        module.torch = proxy
     tracker = _NoForkTracker()
     tp_random.get_cuda_rng_tracker = lambda *a, **k: tracker
     tensor_parallel.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker

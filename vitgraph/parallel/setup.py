@@ -1,16 +1,22 @@
 """Process groups, model construction and ``parallelize``: the one place where precision, data
 parallelism and CUDA graphs are applied to the model, in this order:
 
-1. build the stage's ``ViT`` (tensor- and pipeline-parallel layers come from megatron-core);
-2. precision: bf16 through megatron-core's ``Float16Module`` (GPU);
-3. data parallelism: megatron-core ``DistributedDataParallel`` (GPU; on CPU gradients are
-   all-reduced by ``CpuOptimizer``);
-4. CUDA graphs over the encoder layers (vitgraph.graphs), last, so they capture the modules
-   exactly as they run.
+1. build this rank's model chunks: one ``ViT`` per virtual pipeline stage (one without
+   interleaving); tensor-, sequence- and pipeline-parallel layers come from megatron-core, and
+   the weights are drawn layout-independently (vitgraph.models.init);
+2. precision: bf16 through megatron-core's ``Float16Module`` (GPU); FP8 is TE's, inside the
+   layers (TransformerConfig.fp8);
+3. data parallelism: megatron-core ``DistributedDataParallel`` per chunk, with gradient
+   reduction overlapped with the backward pass and, by default, the distributed optimizer's
+   padded buffers (GPU; on CPU gradients are all-reduced by ``CpuOptimizer``);
+4. CUDA graphs over the encoder layers of every chunk (vitgraph.graphs), last, so they
+   capture the modules exactly as they run.
 """
 from __future__ import annotations
 
 import datetime
+import logging
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -21,11 +27,14 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from vitgraph.config import Config
+from vitgraph.config import Config, ConfigError
+from vitgraph.models.init import init_weights
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import get_layer_spec, resolve_spec
 from vitgraph.models.vit import ViT
 from vitgraph.parallel import cpu_shims
+
+log = logging.getLogger("vitgraph")
 
 
 @dataclass
@@ -40,6 +49,7 @@ class Dist:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    vpp: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -71,23 +81,30 @@ def init_distributed(cfg: Config) -> Dist:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    p = cfg.parallel
     if cuda:
+        check_precision(cfg, local_rank)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        if cfg.graphs.enabled and not p.nccl_graph_register:
+            # read by NCCL when a communicator is made: no user-buffer registration of
+            # buffers used inside CUDA graphs (it has hung tp runs with graphs)
+            os.environ["NCCL_GRAPH_REGISTER"] = "0"
     else:
         device = torch.device("cpu")
+    timeout = datetime.timedelta(minutes=p.timeout_minutes)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(minutes=10),
-                                device_id=device if cuda else None)
-    p = cfg.parallel
+                                timeout=timeout, device_id=device if cuda else None)
     if ps.model_parallel_is_initialized():  # a second Trainer in one process (benchmarks)
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
-                                 pipeline_model_parallel_size=p.pp)
+                                 pipeline_model_parallel_size=p.pp,
+                                 virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+                                 distributed_timeout_minutes=p.timeout_minutes)
     d = Dist(rank, world, local_rank, device, p.tp, p.pp, ps.get_data_parallel_world_size(),
              ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-             ps.get_data_parallel_rank())
+             ps.get_data_parallel_rank(), vpp=p.vpp)
     if cuda and cfg.graphs.enabled:
         # graphs capture on the training stream, which must not be the legacy default stream
         # (megatron DDP's grad-accumulation nodes remember the stream they were made on)
@@ -98,9 +115,23 @@ def init_distributed(cfg: Config) -> Dist:
     return d
 
 
+def check_precision(cfg: Config, local_rank: int) -> None:
+    """What the GPU cannot do is a config error, before any process group exists."""
+    if cfg.train.precision != "fp8":
+        return
+    major, minor = torch.cuda.get_device_capability(local_rank)
+    if cfg.train.fp8_recipe == "mxfp8" and major < 10:
+        raise ConfigError(f"train.fp8_recipe='mxfp8': MXFP8 needs a Blackwell GPU (compute "
+                          f"capability 10.x); this one is {major}.{minor}. Use current or delayed")
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"train.precision='fp8': needs compute capability >= 8.9 (Ada or "
+                          f"Hopper); this GPU is {major}.{minor}")
+
+
 def seed_everything(seed: int, d: Dist, graphs: bool = False, te: bool = False) -> None:
-    # distinct per pipeline stage (different layers), same across data-parallel replicas so
-    # that initial weights agree; megatron offsets the tensor-parallel streams itself
+    # the RNG streams of dropout: distinct per pipeline stage, the same across data-parallel
+    # replicas; megatron offsets the tensor-parallel streams itself. Initial weights do not
+    # come from here (vitgraph.models.init draws them per parameter, layout-independently).
     torch.manual_seed(seed + 100 * d.pp_rank)
     if d.cuda:
         # under graphs, TE's attention dropout needs TE's (graph-safe) RNG tracker
@@ -116,16 +147,22 @@ def shutdown() -> None:
 
 
 def use_bf16(cfg: Config, d: Dist) -> bool:
+    """bf16 weights and activations (FP8 runs keep bf16 outside TE's FP8 GEMMs)."""
     if cfg.train.precision == "auto":
         return d.cuda
-    return cfg.train.precision == "bf16"
+    return cfg.train.precision in ("bf16", "fp8")
+
+
+FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}
 
 
 def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
     arch = resolve_arch(cfg.model)
-    fuse_wgrad = (cfg.model.gradient_accumulation_fusion and d.cuda
-                  and resolve_spec(cfg.model.spec) == "te")
+    spec = resolve_spec(cfg.model.spec)
+    fuse_wgrad = cfg.model.gradient_accumulation_fusion and d.cuda and spec == "te"
     bf16 = use_bf16(cfg, d)
+    fp8 = cfg.train.precision == "fp8"
+    p = cfg.parallel
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads, ffn_hidden_size=arch.ffn_hidden_size,
@@ -134,43 +171,113 @@ def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
         activation_func=torch.nn.functional.gelu, gated_linear_unit=False,
         normalization="LayerNorm", init_method_std=cfg.model.init_std,
         tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
-        sequence_parallel=False, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        virtual_pipeline_model_parallel_size=d.vpp if d.vpp > 1 else None,
+        sequence_parallel=p.sequence_parallel, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # vitgraph.models.init draws the weights again, layout-independently; the layers'
+        # own initialisation stays on because it also tags tensor-parallel parameters
+        # (partition_dim, used by init, grad clipping and checkpoints)
         use_cpu_initialization=not d.cuda, perform_initialization=True,
+        fp8="hybrid" if fp8 else None, fp8_recipe=FP8_RECIPES[cfg.train.fp8_recipe] if fp8 else "delayed",
+        fp8_amax_history_len=1024 if fp8 and cfg.train.fp8_recipe == "delayed" else 1,
+        fp8_amax_compute_algo="max",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=fuse_wgrad, persist_layer_norm=False,
         # p2p between pipeline stages: on CPU avoid the CUDA-stream sync
-        batch_p2p_comm=d.cuda, batch_p2p_sync=d.cuda,
+        # interleaved: overlap p2p with compute as Megatron-LM does (not batched then)
+        batch_p2p_comm=d.cuda and d.vpp == 1, overlap_p2p_comm=d.cuda and d.vpp > 1,
+        batch_p2p_sync=d.cuda,
     )
 
 
-def build_model(cfg: Config, d: Dist, num_classes: int) -> ViT:
+def token_padding(cfg: Config, micro_batch_size: int) -> int:
+    """Pad the token sequence to a multiple of this (1: no padding).
+
+    Sequence parallel splits the tokens over the tp ranks; FP8 GEMMs need the token count
+    (sequence x micro-batch) to be a multiple of 16. Padded tokens are masked out of attention
+    and dropped before the head (vitgraph.models.vit).
+    """
+    multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    if cfg.train.precision == "fp8":
+        fp8 = 16 // math.gcd(16, micro_batch_size)
+        multiple = multiple * fp8 // math.gcd(multiple, fp8)
+    return multiple
+
+
+def build_model(cfg: Config, d: Dist, num_classes: int) -> list[ViT]:
+    """This rank's model chunks: one per virtual pipeline stage (a list of one without)."""
     spec = resolve_spec(cfg.model.spec)
     if spec == "te" and not d.cuda:
-        raise RuntimeError("model.spec=te needs CUDA and Transformer Engine; use model.spec=torch on CPU")
+        raise ConfigError("model.spec='te' needs CUDA and Transformer Engine; use "
+                          "model.spec=torch on CPU")
     arch = resolve_arch(cfg.model)
-    model = ViT(transformer_config(cfg, d), get_layer_spec(spec), arch,
-                cfg.model.num_classes or num_classes, num_registers=cfg.model.num_registers,
-                class_token=cfg.model.class_token, pool=cfg.model.pool,
-                pre_process=d.is_first_stage, post_process=d.is_last_stage)
-    return model
+    config = transformer_config(cfg, d)
+    pad = max(token_padding(cfg, cfg.train.micro_batch_size),
+              token_padding(cfg, cfg.train.eval_batch_size))
+    # the padding mask costs a little in attention: only layers that may see padding get it
+    layer_spec = get_layer_spec(spec, padding_mask=pad > 1)
+    chunks = []
+    for vp in range(d.vpp):
+        first = d.is_first_stage and vp == 0
+        last = d.is_last_stage and vp == d.vpp - 1
+        chunk = ViT(config, layer_spec, arch, cfg.model.num_classes or num_classes,
+                    num_registers=cfg.model.num_registers, class_token=cfg.model.class_token,
+                    pool=cfg.model.pool, pre_process=first, post_process=last,
+                    vp_stage=vp if d.vpp > 1 else None,
+                    pad_to=(lambda b: token_padding(cfg, b)) if pad > 1 else None)
+        init_weights(chunk, cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp)
+        chunks.append(chunk)
+    return chunks
 
 
-def parallelize(model: ViT, cfg: Config, d: Dist):
-    """Apply precision, data parallelism and graphs (in that order). Returns (wrapped, graphs)."""
-    wrapped = model
+ALIGN_BYTES = 256
+
+
+def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
+    """Parameters whose main_grad (megatron DDP's fp32 gradient view) does not start on an
+    ``align``-byte boundary. TE accumulates weight gradients straight into main_grad, and
+    cuBLAS drops to slow kernels for unaligned output (a 10-class head cost 2x in step time:
+    DESIGN.md). megatron pads every parameter's start only with the distributed optimizer."""
+    out = []
+    for w in wrapped:
+        for name, p in w.named_parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None and g.data_ptr() % align:
+                out.append(name)
+    return out
+
+
+def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
+    """Apply precision, data parallelism and graphs (in that order) to every chunk.
+    Returns (wrapped chunks, graph manager or None)."""
+    wrapped = list(chunks)
     if d.cuda:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
-        if model.config.bf16:
-            wrapped = Float16Module(model.config, wrapped)
-        # no distributed optimizer yet: its sharded state needs megatron's dist checkpointing
+        p = cfg.parallel
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
-        wrapped = DistributedDataParallel(model.config, ddp_cfg, wrapped)
-        wrapped.broadcast_params()  # replicas start from rank 0's weights
+            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
+            use_distributed_optimizer=p.distributed_optimizer,
+            overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
+            check_for_nan_in_grad=False)
+        out = []
+        for i, chunk in enumerate(wrapped):
+            if chunk.config.bf16:
+                chunk = Float16Module(chunk.config, chunk)
+            # megatron buckets only the first chunk: later chunks reduce as one bucket each
+            chunk = DistributedDataParallel(chunk.config, ddp_cfg, chunk, disable_bucketing=i > 0)
+            chunk.broadcast_params()  # replicas start from the same weights (they already do)
+            out.append(chunk)
+        wrapped = out
+        bad = misaligned(wrapped)
+        if bad:
+            log.warning("%d parameters have a main_grad off a 256-byte boundary (%s...): TE's fused "
+                        "weight-gradient GEMMs fall back to slow kernels for them. "
+                        "parallel.distributed_optimizer=true pads every one.", len(bad),
+                        ", ".join(bad[:3]))
     graphs = None
     if cfg.graphs.enabled:
         from vitgraph.graphs import GraphManager
-        graphs = GraphManager.for_model([wrapped], cfg.graphs)
+        graphs = GraphManager.for_model(wrapped, cfg.graphs)
     return wrapped, graphs

@@ -3,9 +3,15 @@ verified before use.
 
 Layout under ``<run_dir>/checkpoints``::
 
-    step_000200/mp_rank_TT_PPP.pt   model + optimizer + schedule + data position (DP rank 0 of
-                                    each tensor/pipeline rank, as Megatron-LM names them)
-    step_000200/rng_rank_NNNNN.pt   every rank's RNG state
+    step_000200/dist/               megatron-core dist_checkpointing (torch_dist): model and
+                                    optimizer state as sharded tensors keyed by their global
+                                    (tp=1, pp=1) names, plus the common state (step, LR
+                                    schedule, data position) -- loadable at any tp/pp/vpp/dp
+                                    layout, with or without the distributed optimizer
+    step_000200/model.safetensors   the model weights alone, full (tp=1) tensors with global
+                                    names: ``safetensors`` / ``torch.load(weights_only=True)``
+                                    readers, ``vitgraph export``
+    step_000200/rng_rank_NNNNN.pt   every rank's RNG state, restored only at the same layout
     step_000200/manifest.json       every other file under step_000200/ (recursively): size and
                                     sha256; written last
     latest                          the name of the newest complete step directory (for people;
@@ -54,24 +60,49 @@ class NoIntactCheckpoint(CheckpointError):
 
 # ---------------------------------------------------------------- the payload (swappable)
 
-def write_payload(directory: Path, d: Dist, state: dict, step: int) -> None:
-    """This rank's share of a checkpoint, written into ``directory`` (which exists)."""
-    if d.dp_rank == 0:
-        _save(dict(state, step=step), directory / f"mp_rank_{d.tp_rank:02d}_{d.pp_rank:03d}.pt")
-    _save(_rng_state(d), directory / f"rng_rank_{d.rank:05d}.pt")
+def _layout(d: Dist) -> dict:
+    return {"world": d.world, "tp": d.tp, "pp": d.pp, "vpp": d.vpp, "dp": d.dp}
 
 
-def read_payload(directory: Path, d: Dist) -> dict:
-    """This rank's state from a verified checkpoint directory; restores the RNG state."""
-    model_file = directory / f"mp_rank_{d.tp_rank:02d}_{d.pp_rank:03d}.pt"
+def write_payload(directory: Path, d: Dist, sharded_state: dict, step: int) -> None:
+    """Every rank's part of a checkpoint, written into ``directory`` (which exists).
+    ``sharded_state``: the dict ``dist_checkpointing.save`` takes, the same on every rank."""
+    from megatron.core import dist_checkpointing
+    if d.rank == 0:
+        (directory / "dist").mkdir()
+    _barrier()
+    dist_checkpointing.save({**sharded_state, "step": step}, str(directory / "dist"))
+    _save({**_rng_state(d), "layout": _layout(d)}, directory / f"rng_rank_{d.rank:05d}.pt")
+    _barrier()
+    if d.rank == 0:
+        from vitgraph.convert import read_dist_weights, save_safetensors
+        weights, _ = read_dist_weights(directory / "dist")
+        save_safetensors(weights, directory / "model.safetensors", metadata={"step": step})
+
+
+def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
+    """This rank's state, loaded into the shapes of ``sharded_template`` (this run's layout);
+    restores the RNG state when the layout matches."""
+    from megatron.core import dist_checkpointing
+    if not (directory / "dist").is_dir():
+        raise CheckpointError(f"{directory}: no dist/ folder; not a vitgraph checkpoint of this "
+                              f"format")
+    try:
+        state = dist_checkpointing.load({**sharded_template, "step": None}, str(directory / "dist"))
+    except Exception as e:
+        raise CheckpointError(f"{directory / 'dist'}: cannot be read ({type(e).__name__}: "
+                              f"{e})") from None
     rng_file = directory / f"rng_rank_{d.rank:05d}.pt"
-    if not model_file.is_file():
-        raise CheckpointError(f"{model_file}: missing (was the checkpoint written with another "
-                              f"tp/pp layout?)")
-    state = _load(model_file, d.device)
-    if rng_file.is_file():  # a different world size has other RNG files: keep fresh RNG
-        _set_rng_state(_load(rng_file, "cpu"), d)
+    if rng_file.is_file():
+        rng = _load(rng_file, "cpu")
+        if rng.get("layout") == _layout(d):  # another layout: keep this run's fresh RNG
+            _set_rng_state(rng, d)
     return state
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _save(obj, path: Path) -> None:
@@ -212,8 +243,7 @@ def step_dirs(ckpt_dir: Path) -> list[Path]:
 
 
 def save(ckpt_dir: Path, step: int, d: Dist, state: dict, keep: int) -> Path:
-    """Write this rank's ``state`` (model / optimizer / scheduler / loader state dicts) as
-    checkpoint ``step``. Raises CheckpointError on every rank if any rank fails; the earlier
+    """Write ``state`` (the sharded state dict, see ``write_payload``) as checkpoint ``step``. Raises CheckpointError on every rank if any rank fails; the earlier
     checkpoints are untouched then."""
     final = ckpt_dir / f"step_{step:06d}"
     tmp = ckpt_dir / f"step_{step:06d}.tmp"
@@ -303,6 +333,25 @@ def find_resumable(ckpt_dir: Path, d: Dist) -> Path | None:
     return Path(chosen) if chosen else None
 
 
-def load(path: Path, d: Dist) -> dict:
+def latest(ckpt_dir: Path) -> Path | None:
+    """The newest step directory whose files match its manifest's sizes (cheap), or None."""
+    for path in reversed(step_dirs(ckpt_dir)):
+        if not verify(path, checksums=False):
+            return path
+    return None
+
+
+def load(path: Path, d: Dist, sharded_template: dict) -> dict:
     """This rank's state from a verified checkpoint directory; restores the RNG state."""
-    return read_payload(path, d)
+    return read_payload(path, d, sharded_template)
+
+
+def load_model(path: Path, chunks: list) -> int:
+    """Only the model weights of a checkpoint into ``chunks`` (this rank's, any layout);
+    returns the checkpoint's step."""
+    from megatron.core import dist_checkpointing
+    template = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    state = dist_checkpointing.load(template, str(path / "dist"))
+    for i, c in enumerate(chunks):
+        c.load_state_dict(state[f"model{i}"])
+    return int(state.get("step", 0))

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
-from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval, to_model_input
+from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
+from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import resolve_spec
-from vitgraph.models.vit import vit_flops_per_image
+from vitgraph.models.vit import unwrap, vit_flops_per_image
 from vitgraph.parallel.setup import (Dist, build_model, init_distributed, parallelize, shutdown,
                                      use_bf16)
 from vitgraph.train import checkpoint
@@ -33,7 +34,7 @@ from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
 log = logging.getLogger("vitgraph")
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
+def _setup_logging(run_dir: Path, rank: int, to_file: bool = True) -> None:
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
@@ -41,7 +42,10 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
         log.addHandler(logging.NullHandler())
         return
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+    handlers = [logging.StreamHandler(sys.stdout)]
+    if to_file:
+        handlers.append(logging.FileHandler(run_dir / "train.log"))
+    for h in handlers:
         h.setFormatter(fmt)
         log.addHandler(h)
 
@@ -72,21 +76,36 @@ class TrainingFailed(RuntimeError):
     """A failure during training, summarised on one line; the traceback is in train.log."""
 
 
+def _split_padded(images, labels, k: int) -> list:
+    """One eval batch as ``k`` equal microbatches, filled up with copies of the first image
+    labelled -1 (not counted)."""
+    if k == 1:
+        return [(images, labels)]
+    m = -(-len(labels) // k)
+    pad = m * k - len(labels)
+    if pad:
+        images = torch.cat([images, images[:1].expand(pad, *images.shape[1:])])
+        labels = torch.cat([labels, labels.new_full((pad,), -1)])
+    return list(zip(images.split(m), labels.split(m)))
+
+
 class Trainer:
     _nan_now = False  # test-only fault injection (train.inject_nan_steps): poison this step's loss
     _saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
     stops: StopRequests | None = None
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, readonly: bool = False):
+        """``readonly`` (``vitgraph eval``): write nothing into the run directory (no config,
+        train.log or TensorBoard files); log to stdout only."""
         self.cfg = cfg
         self.d: Dist = init_distributed(cfg)
         d = self.d
         self.run_dir = cfg.run_dir
-        if d.rank == 0:
+        if d.rank == 0 and not readonly:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         dist.barrier()
-        _setup_logging(self.run_dir, d.rank)
+        _setup_logging(self.run_dir, d.rank, to_file=not readonly)
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  torch.cuda.get_device_name() if d.cuda else "CPU (gloo, shims active)")
 
@@ -98,8 +117,14 @@ class Trainer:
 
         self.arch = resolve_arch(cfg.model)
         self.num_classes = cfg.model.num_classes or len(self.train_set.classes)
-        self.model = build_model(cfg, d, self.num_classes)
-        self.wrapped, self.graphs = parallelize(self.model, cfg, d)
+        # this rank's model chunks: one per virtual pipeline stage (parallel.vpp)
+        self.chunks = build_model(cfg, d, self.num_classes)
+        self.model = self.chunks[0]
+        if cfg.model.init_from and not readonly:
+            from vitgraph.convert import init_from
+            for chunk in self.chunks:
+                init_from(chunk, cfg.model.init_from, cfg.model.init_format)
+        self.wrapped, self.graphs = parallelize(self.chunks, cfg, d)
         self.bf16 = use_bf16(cfg, d)
         self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda)
 
@@ -109,28 +134,44 @@ class Trainer:
                                        d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.seq_len = self.model.num_prefix + self.arch.num_patches()
+        self.augment = None
+        if cfg.data.augment.enabled:
+            self.augment = BatchAugment(cfg.data.augment, self.arch.image_size, self.num_classes,
+                                        t.label_smoothing, t.seed, d.dp_rank)
+        self.seq_len = self.model.seq_len
         self.flops_per_image = vit_flops_per_image(self.arch, self.model.num_prefix,
                                                    self.num_classes)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("model: %s, spec %s, %d params on this rank, %d tokens, %.2f GFLOP/image "
+        n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
+        padded = self.model.padded_len(t.micro_batch_size)
+        log.info("model: %s, spec %s, %d params on this rank, %d tokens%s, %.2f GFLOP/image "
                  "(train), %s", cfg.model.name, resolve_spec(cfg.model.spec), n_params,
-                 self.seq_len, self.flops_per_image / 1e9, "bf16" if self.bf16 else "fp32")
+                 self.seq_len, f" (padded to {padded}, masked)" if padded > self.seq_len else "",
+                 self.flops_per_image / 1e9, self._precision_name())
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
 
         mc = self.model.config
         if d.cuda:
+            # as Megatron-LM wires its DDP chunks into the schedules: per-chunk no_sync /
+            # grad_sync (gradient reduction overlapped with the backward pass), finalize
             from megatron.core.distributed import finalize_model_grads
+
+            def per_chunk(fns):
+                return fns if len(fns) > 1 else fns[0]
+
             mc.finalize_model_grads_func = finalize_model_grads
-            mc.no_sync_func = self.wrapped.no_sync
+            mc.no_sync_func = per_chunk([w.no_sync for w in self.wrapped])
+            if cfg.parallel.overlap_grad_reduce:
+                mc.grad_sync_func = per_chunk([w.start_grad_sync for w in self.wrapped])
+            if cfg.parallel.overlap_param_gather and cfg.parallel.distributed_optimizer:
+                mc.param_sync_func = per_chunk([w.start_param_sync for w in self.wrapped])
             mc.grad_scale_func = self.optimizer.scale_loss
         self.forward_backward = get_forward_backward_func()
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.step = 0
         self.writer = None
-        if d.rank == 0 and t.tensorboard:
+        if d.rank == 0 and t.tensorboard and not readonly:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         if d.cuda:
@@ -139,25 +180,35 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    def _precision_name(self) -> str:
+        if self.cfg.train.precision == "fp8":
+            return f"fp8 ({self.cfg.train.fp8_recipe} scaling) + bf16"
+        return "bf16" if self.bf16 else "fp32"
+
     def _forward_step(self, data_iterator, model, label_smoothing=0.0):
         """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
-        images, labels = next(data_iterator)
-        x = None
-        if self.d.is_first_stage:
-            # Float16Module casts to bf16 on GPU; keep fp32 here
-            x = to_model_input(images, self.arch.image_size, self.d.device, torch.float32)
+        images, labels, key = next(data_iterator)  # key: (step, microbatch); None in eval
+        # Float16Module casts to bf16 on GPU; keep fp32 here. Training microbatches are
+        # augmented on the device when data.augment is on; targets may come back mixed (soft)
+        x, targets = prepare_batch(self.augment, images, labels, key, self.arch.image_size,
+                                   self.d.device, torch.float32, unwrap(model).pre_process)
         labels = labels.to(self.d.device, non_blocking=True)
+        if targets.is_floating_point():
+            label_smoothing = 0.0  # folded into the mixed targets
         out = model(x)
 
         def loss_func(output):
             output = output.float()
-            loss = F.cross_entropy(output, labels, label_smoothing=label_smoothing)
+            valid = labels >= 0  # -1: a sample that only fills an eval microbatch
+            n = valid.sum()
+            loss = F.cross_entropy(output, targets, label_smoothing=label_smoothing,
+                                   ignore_index=-1)
             if self._nan_now:
                 loss = loss * float("nan")
-            correct = (output.argmax(-1) == labels).sum()
+            correct = ((output.argmax(-1) == labels) & valid).sum()
             # the schedule divides `loss` in place by the number of microbatches: log a clone
-            stats = torch.stack([loss.detach().clone() * labels.numel(), correct.float(),
-                                 torch.tensor(float(labels.numel()), device=loss.device)])
+            total = torch.where(n > 0, loss.detach().clone() * n, 0.0)
+            stats = torch.stack([total, correct.float(), n.float()])
             return loss, {"stats": stats}
 
         return out, loss_func
@@ -174,13 +225,17 @@ class Trainer:
         schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
         summed over microbatches, grad norm, whether the step was applied)."""
         if self.d.cuda:
-            self.wrapped.zero_grad_buffer()
+            for w in self.wrapped:
+                w.zero_grad_buffer()
         self.optimizer.zero_grad()
+        mb = len(batches[0][1])
         out = self.forward_backward(
             forward_step_func=partial(self._forward_step,
                                       label_smoothing=self.cfg.train.label_smoothing),
-            data_iterator=iter(batches), model=[self.wrapped], num_microbatches=len(batches),
-            seq_length=self.seq_len, micro_batch_size=len(batches[0][1]), forward_only=False)
+            data_iterator=[iter([(im, lb, (self.step, i)) for i, (im, lb) in enumerate(batches)])
+                           for _ in self.wrapped],
+            model=self.wrapped, num_microbatches=len(batches),
+            seq_length=self.model.padded_len(mb), micro_batch_size=mb, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -188,28 +243,44 @@ class Trainer:
         return stats, float(grad_norm or 0.0), ok
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        self.wrapped.eval()
+    def evaluate(self, dataset=None) -> dict:
+        """Loss and top-1 on ``dataset`` (default the held-out split), never augmented."""
+        for w in self.wrapped:
+            w.eval()
         total = torch.zeros(3, device=self.d.device)
-        for images, labels in iterate_eval(self.val_set, self.cfg.train.eval_batch_size,
+        # the interleaved schedule needs at least pp microbatches
+        k = self.d.pp if self.d.vpp > 1 else 1
+        for images, labels in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
                                            self.d.dp_rank, self.d.dp):
+            mbs = _split_padded(images, labels, k)
+            mb = len(mbs[0][1])
             out = self.forward_backward(
-                forward_step_func=self._forward_step, data_iterator=iter([(images, labels)]),
-                model=[self.wrapped], num_microbatches=1, seq_length=self.seq_len,
-                micro_batch_size=len(labels), forward_only=True)
+                forward_step_func=self._forward_step,
+                data_iterator=[iter([(im, lb, None) for im, lb in mbs]) for _ in self.wrapped],
+                model=self.wrapped, num_microbatches=k, seq_length=self.model.padded_len(mb),
+                micro_batch_size=mb, forward_only=True)
             for o in out:
                 total += o["stats"]
-        self.wrapped.train()
+        for w in self.wrapped:
+            w.train()
         loss_sum, correct, n = self._reduce(total).tolist()
         return {"eval_loss": loss_sum / max(n, 1), "eval_top1": correct / max(n, 1),
                 "eval_images": int(n)}
 
     # ------------------------------------------------------------------ checkpoints
 
+    def sharded_state(self, is_loading: bool = False) -> dict:
+        """What a checkpoint holds, as megatron-core's dist_checkpointing takes it: model
+        chunks and optimizer as sharded tensors with global names (any layout can load
+        them), schedule and data position as common state."""
+        model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
+        optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader.state_dict()}
+
     def save(self) -> None:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict()}
-        path = checkpoint.save(self.ckpt_dir, self.step, self.d, state, self.cfg.checkpoint.keep)
+        path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
+                               self.cfg.checkpoint.keep)
         self._saved_step = self.step
         log.info("checkpoint: %s", path)
 
@@ -219,8 +290,9 @@ class Trainer:
         path = checkpoint.find_resumable(self.ckpt_dir, self.d)
         if path is None:
             return
-        state = checkpoint.load(path, self.d)
-        self.model.load_state_dict(state["model"])
+        state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True))
+        for i, c in enumerate(self.chunks):
+            c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])

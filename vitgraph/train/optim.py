@@ -23,11 +23,12 @@ class CpuOptimizer:
     group, clips by the global norm (over the model-parallel group), steps.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: Config):
+    def __init__(self, chunks: list[torch.nn.Module], cfg: Config):
         o = cfg.optim
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and not _no_decay(n, p)]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and _no_decay(n, p)]
+        named = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        decay = [p for n, p in named if not _no_decay(n, p)]
+        no_decay = [p for n, p in named if _no_decay(n, p)]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
@@ -40,15 +41,26 @@ class CpuOptimizer:
     def zero_grad(self, set_to_none: bool = True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @staticmethod
+    def _all_reduce(grads: list, group, average: bool) -> None:
+        if not grads or dist.get_world_size(group) == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= dist.get_world_size(group)
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(new.view_as(g))
+
     def step(self):
-        dp = ps.get_data_parallel_group()
-        if dist.get_world_size(dp) > 1:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=dp)
-            flat /= dist.get_world_size(dp)
-            for g, new in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(new.view_as(g))
+        # sequence parallel: norms and row-parallel biases saw only this rank's tokens; their
+        # gradients are summed over the tensor-parallel group (megatron's finalize_model_grads
+        # does this on GPU)
+        self._all_reduce([p.grad for p in self.params if p.grad is not None
+                          and getattr(p, "sequence_parallel", False)],
+                         ps.get_tensor_model_parallel_group(), average=False)
+        self._all_reduce([p.grad for p in self.params if p.grad is not None],
+                         ps.get_data_parallel_group(), average=True)
         norm = cpu_shims.clip_grad_norm(self.params, self.clip, ps.get_model_parallel_group())
         if not torch.isfinite(torch.tensor(norm)):  # a NaN/inf loss or gradient: skip the step,
             return False, norm, None                # weights and AdamW state untouched
@@ -59,22 +71,58 @@ class CpuOptimizer:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, sd):
+        if "steps_taken" in sd:  # from sharded_state_dict: put back AdamW's per-parameter step
+            sd = dict(sd)
+            step = torch.tensor(float(sd.pop("steps_taken")))
+            sd["state"] = {k: {**v, "step": step.clone()} for k, v in sd["state"].items()}
         self.optimizer.load_state_dict(sd)
 
+    def _init_state(self) -> None:
+        """AdamW's state for every parameter (it is created lazily at the first step)."""
+        for p in self.params:
+            st = self.optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
 
-def build_optimizer(model, cfg: Config, cuda: bool):
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False, **_):
+        """The optimizer state as sharded tensors named after the model's (as megatron's
+        optimizers do), so a checkpoint loads at another tp / pp layout."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
+        self._init_state()
+        sd = self.optimizer.state_dict()
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        steps = [float(self.optimizer.state[p]["step"]) for p in order]
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, order)
+        optim_state_to_sharding_state(sd, id_map, exclude_keys=("step",))
+        sd["steps_taken"] = steps[0] if steps else 0.0
+        return sd
+
+
+def build_optimizer(chunks: list, cfg: Config, cuda: bool):
+    """``chunks``: this rank's (wrapped) model chunks."""
     o = cfg.optim
     if not cuda:
-        return CpuOptimizer(model, cfg)
+        return CpuOptimizer(chunks, cfg)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
+    from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+    config = chunks[0].config
     ocfg = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
-        bf16=model.config.bf16, params_dtype=model.config.params_dtype,
-        use_distributed_optimizer=False)
+        bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+    # the same no-decay set as the CPU path (megatron's default decays pos_embed / tokens)
+    no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
+        name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))
+    optimizer = get_megatron_optimizer(
+        ocfg, chunks, config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
     # megatron's bf16 optimizer steps on a NaN gradient norm: skip such steps instead
     from vitgraph.train.health import skip_nonfinite_steps
-    return skip_nonfinite_steps(get_megatron_optimizer(ocfg, [model]))
+    return skip_nonfinite_steps(optimizer)
 
 
 def build_scheduler(optimizer, cfg: Config, total_steps: int) -> OptimizerParamScheduler:

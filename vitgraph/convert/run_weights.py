@@ -1,0 +1,70 @@
+"""The model weights of a run's checkpoint, as one full vitgraph state dict.
+
+The one place that knows how training checkpoints store the model (megatron-core
+dist_checkpointing under ``checkpoints/step_N/dist``: sharded tensors keyed by global names,
+the layers stacked along a leading layer dimension); ``vitgraph export`` and ``vitgraph eval``
+read through it. Read with torch.distributed.checkpoint in one process (no process group),
+whatever the tp / pp layout of the run that wrote it.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from vitgraph.convert.names import ConvertError
+
+_LAYERS = "decoder.layers."
+
+
+def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
+    """The step directory: the newest complete one, a step number, or a path."""
+    from vitgraph.train.checkpoint import latest
+    ckpts = Path(run_dir) / "checkpoints"
+    if checkpoint is None:
+        path = latest(ckpts) if ckpts.is_dir() else None
+        if path is None:
+            raise ConvertError(f"{run_dir}: no complete checkpoint under {ckpts}")
+        return path
+    s = str(checkpoint)
+    if s.isdigit():
+        path = ckpts / f"step_{int(s):06d}"
+    else:
+        path = Path(s)
+    if not path.is_dir() or path.name.endswith(".tmp"):
+        raise ConvertError(f"checkpoint {s!r}: no complete checkpoint directory {path}")
+    return path
+
+
+def read_checkpoint_weights(run_dir: str | Path, checkpoint: str | int | None = None
+                            ) -> tuple[dict[str, torch.Tensor], int, Path]:
+    """(full state dict with global layer numbers, step, step directory)."""
+    path = checkpoint_dir(run_dir, checkpoint)
+    sd, step = read_dist_weights(path / "dist")
+    return sd, step, path
+
+
+def read_dist_weights(dist_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """The model tensors of one dist_checkpointing folder as a full state dict, and its step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    if not (dist_dir / ".metadata").is_file():
+        raise ConvertError(f"{dist_dir}: not a megatron dist_checkpointing folder")
+    reader = dcp.FileSystemReader(str(dist_dir))
+    meta = reader.read_metadata().state_dict_metadata
+    stacked = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+               if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+    if not stacked:
+        raise ConvertError(f"{dist_dir}: holds no model tensors")
+    dcp.load(stacked, storage_reader=reader, no_dist=True)
+    out = {}
+    for name, t in stacked.items():
+        if name.startswith(_LAYERS):  # [layers, ...] -> one entry per global layer
+            rest = name[len(_LAYERS):]
+            for i, layer in enumerate(t.unbind(0)):
+                out[f"{_LAYERS}{i}.{rest}"] = layer.clone()
+        else:
+            out[name] = t
+    common = torch.load(dist_dir / "common.pt", map_location="cpu", weights_only=False)
+    return out, int(common.get("step", 0))

@@ -1,0 +1,184 @@
+"""Weight files in and out: read ``.safetensors`` / ``.pth`` / ``.bin``, write safetensors, and
+move a full (tp=1) vitgraph state dict into and out of a built model (any pipeline stage)."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vitgraph.convert.names import ConvertError, to_vitgraph
+from vitgraph.models.init import global_names as _global_names
+from vitgraph.models.vit import unwrap
+
+log = logging.getLogger("vitgraph")
+
+_CONTAINERS = ("state_dict", "model", "module", "model_state_dict")
+
+
+def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A flat {name: tensor} from a ``.safetensors``, or a ``.pth`` / ``.pt`` / ``.bin`` torch
+    file (read with ``weights_only=True``; a {"state_dict": ...} or {"model": ...} wrapper is
+    opened)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConvertError(f"weights file not found: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file as st_load
+        return st_load(str(path), device="cpu")
+    if path.suffix not in (".pth", ".pt", ".bin", ".ckpt"):
+        raise ConvertError(f"{path}: expected .safetensors, .pth, .pt or .bin")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConvertError(f"{path}: not a plain tensor file ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0]})") from None
+    while isinstance(obj, dict) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
+        inner = next((obj[k] for k in _CONTAINERS if isinstance(obj.get(k), dict)), None)
+        if inner is None:
+            break
+        obj = inner
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{path}: holds a {type(obj).__name__}, not a state dict")
+    sd = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if sd and all(k.startswith("module.") for k in sd):  # saved from a DDP wrapper
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return sd
+
+
+def save_safetensors(sd: dict[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: dict | None = None) -> Path:
+    """Write ``sd`` atomically (tmp + rename) as safetensors; metadata values become strings."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- model <-> full state dict
+
+
+def _check_tp(vit) -> None:
+    tp = vit.config.tensor_model_parallel_size
+    if tp != 1:
+        raise ConvertError(f"weights in/out work on tensor-parallel size 1 (this model has "
+                           f"tp={tp}); gather or shard outside vitgraph.convert")
+
+
+def export_state_dict(model_chunks, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """This rank's model chunks as one {name: CPU tensor} with vitgraph's full-model names
+    (global layer numbers, no TE ``_extra_state``). With pipeline stages each rank returns its
+    share; the union over stages is the full model."""
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    out = {}
+    for chunk in model_chunks:
+        vit = unwrap(chunk)
+        _check_tp(vit)
+        names = _global_names(vit)
+        for name, t in vit.state_dict().items():
+            if name in names:
+                t = t.detach().to("cpu")
+                out[names[name]] = (t.to(dtype) if dtype is not None else t).contiguous()
+    return out
+
+
+def expected_names(arch, num_prefix: int, class_token: bool, num_registers: int) -> set[str]:
+    """Every parameter name of the full model."""
+    names = {"patch_embed.weight", "patch_embed.bias", "pos_embed", "final_norm.weight",
+             "final_norm.bias", "head.weight", "head.bias"}
+    if class_token:
+        names.add("cls_token")
+    if num_registers:
+        names.add("registers")
+    for i in range(arch.num_layers):
+        for sub in ("self_attention.linear_qkv", "mlp.linear_fc1"):
+            names |= {f"decoder.layers.{i}.{sub}.{k}" for k in
+                      ("layer_norm_weight", "layer_norm_bias", "weight", "bias")}
+        for sub in ("self_attention.linear_proj", "mlp.linear_fc2"):
+            names |= {f"decoder.layers.{i}.{sub}.{k}" for k in ("weight", "bias")}
+    return names
+
+
+def resize_pos_embed(pos: torch.Tensor, num_prefix: int, grid: int) -> torch.Tensor:
+    """[1, prefix + g*g, d] -> [1, prefix + grid*grid, d], the patch grid resized bicubically."""
+    n = pos.shape[1] - num_prefix
+    old = math.isqrt(n)
+    if old * old != n:
+        raise ConvertError(f"pos_embed: {n} patch positions are not a square grid "
+                           f"(with {num_prefix} class/register tokens)")
+    if old == grid:
+        return pos
+    prefix, patches = pos[:, :num_prefix], pos[:, num_prefix:]
+    patches = patches.reshape(1, old, old, -1).permute(0, 3, 1, 2).float()
+    patches = F.interpolate(patches, size=(grid, grid), mode="bicubic", align_corners=False)
+    patches = patches.permute(0, 2, 3, 1).reshape(1, grid * grid, -1).to(pos.dtype)
+    return torch.cat([prefix, patches], dim=1)
+
+
+@torch.no_grad()
+def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights") -> dict:
+    """Copy a full vitgraph state dict into ``model`` (one chunk, any pipeline stage).
+
+    A head of another class count (or none in ``sd``) keeps the model's fresh init; position
+    embeddings of another grid are resized; any other missing, unexpected or mis-shaped key is
+    a ``ConvertError`` naming it. Returns {"head_reinitialised": bool, "pos_embed_resized": ...}.
+    """
+    vit = unwrap(model)
+    _check_tp(vit)
+    known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers)
+    unexpected = sorted(set(sd) - known)
+    if unexpected:
+        raise ConvertError(f"{source}: unexpected key {unexpected[0]!r}"
+                           + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                           + " for this model (check model.name, model.num_registers, "
+                             "model.class_token)")
+    report = {"head_reinitialised": False, "pos_embed_resized": None}
+    own = vit.state_dict()
+    for local, name in _global_names(vit).items():
+        target = own[local]
+        if name not in sd:
+            if name.startswith("head."):
+                report["head_reinitialised"] = True
+                continue
+            raise ConvertError(f"{source}: missing key {name!r}")
+        value = sd[name]
+        if name.startswith("head.") and value.shape != target.shape:
+            report["head_reinitialised"] = True
+            continue
+        if name == "pos_embed" and value.shape != target.shape:
+            grid = math.isqrt(target.shape[1] - vit.num_prefix)
+            if value.shape[2] == target.shape[2]:
+                report["pos_embed_resized"] = (tuple(value.shape), tuple(target.shape))
+                value = resize_pos_embed(value, vit.num_prefix, grid)
+        if value.shape != target.shape:
+            raise ConvertError(f"{source}: {name!r} has shape {tuple(value.shape)}, the model "
+                               f"wants {tuple(target.shape)}")
+        target.copy_(value.to(target.dtype))
+    if report["head_reinitialised"] and vit.post_process:
+        have = sd.get("head.weight")
+        log.info("init: head re-initialised (%s; the model has %d classes)",
+                 f"the weights have {have.shape[0]} classes" if have is not None else
+                 "the weights have no head", vit.head.weight.shape[0])
+    if report["pos_embed_resized"] and vit.pre_process:
+        log.info("init: position embeddings resized %s -> %s", *report["pos_embed_resized"])
+    return report
+
+
+def init_from(model, path: str, fmt: str = "auto") -> dict:
+    """``model.init_from``: read ``path``, convert from ``fmt`` (auto-detected), load."""
+    vit = unwrap(model)
+    sd = to_vitgraph(load_file(path), fmt, vit.arch.num_heads)
+    report = load_into_model(model, sd, source=str(path))
+    log.info("init: weights from %s (%s)", path, fmt)
+    return report

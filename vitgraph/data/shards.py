@@ -1,0 +1,240 @@
+"""WebDataset shards: ``.tar`` files whose members ``<key>.<ext>`` group into samples by key.
+
+Classification samples hold an image (``jpg`` / ``jpeg`` / ``png`` / ``webp``) and ``cls`` (the
+class index as text); image-text samples hold an image and ``txt`` (a caption); a sample may
+have both. ``data.path`` holds ``train-*.tar`` and ``val-*.tar`` (``scripts/make_shards.py``
+writes them from an ImageFolder, with ``index.json``: the class names and every sample's
+member offsets, so start-up reads no tar headers).
+
+Reading: the tar members are indexed once (``index.json``, else the tar headers) and images are
+read by offset and decoded per batch, in ``data.workers`` threads, into the same uint8
+``[b, H, W, 3]`` microbatches as ImageFolder (or, with ``data.decode=cuda``, handed over still
+encoded and decoded on the GPU by nvJPEG). Order, rank split and resume come from
+``MicrobatchLoader``, which for sharded data shuffles shards, and samples only within windows
+of ``data.shuffle_shards`` shards: a step reads from a few shards, not from all of them.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitgraph.data.loader import DataError, ImageDataset
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+INDEX = "index.json"
+
+
+def sample_key(member_name: str) -> tuple[str, str]:
+    """("dir/abc", "jpg") from "dir/abc.jpg"; the key ends at the first dot of the base name."""
+    d, base = os.path.split(member_name)
+    stem, _, ext = base.partition(".")
+    return (f"{d}/{stem}" if d else stem), ext.lower()
+
+
+def scan_shard(path: str) -> list[dict]:
+    """The samples of one tar, in order: {"key", "offset", "size", "ext", "cls", "txt"}."""
+    samples: dict[str, dict] = {}
+    with tarfile.open(path, "r:") as tar:
+        for m in tar:
+            if not m.isfile():
+                continue
+            key, ext = sample_key(m.name)
+            s = samples.setdefault(key, {"key": key})
+            if ext in IMAGE_EXTS:
+                s.update(offset=m.offset_data, size=m.size, ext=ext)
+            elif ext == "cls":
+                s["cls"] = int(tar.extractfile(m).read().decode().strip())
+            elif ext == "txt":
+                s["txt"] = tar.extractfile(m).read().decode("utf-8")
+    out = [s for s in samples.values() if "offset" in s]
+    if not out:
+        raise DataError(f"{path}: no image members (.jpg/.png/.webp) in the shard")
+    return out
+
+
+def split_shards(root: str, split: str) -> list[str]:
+    paths = sorted(glob.glob(os.path.join(root, f"{split}-*.tar")))
+    if not paths:
+        raise DataError(f"no {split}-*.tar shards in {root}")
+    return paths
+
+
+def read_index(root: str, split: str) -> tuple[list[str], list[list[dict]], list[str] | None]:
+    """(shard paths, samples per shard, class names or None) from index.json or the tars."""
+    index_path = os.path.join(root, INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        if split not in index.get("splits", {}):
+            raise DataError(f"{index_path}: no split {split!r}")
+        shards = index["splits"][split]
+        return ([os.path.join(root, s["file"]) for s in shards], [s["samples"] for s in shards],
+                index.get("classes"))
+    paths = split_shards(root, split)
+    return paths, [scan_shard(p) for p in paths], None
+
+
+def decode_image(data: bytes, size: int, where: str = "") -> np.ndarray:
+    """Encoded image -> RGB, shorter side resized to ``size``, center-cropped: uint8 [s, s, 3].
+
+    JPEGs are decoded at a reduced DCT scale when that still covers ``size`` (PIL's draft
+    mode: several times faster for large photos)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format == "JPEG":
+                w, h = im.size
+                im.draft("RGB", (max(size, round(size * w / min(w, h))),
+                                 max(size, round(size * h / min(w, h)))))
+            im = im.convert("RGB")
+            w, h = im.size
+            scale = size / min(w, h)
+            nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+            if (nw, nh) != (w, h):
+                im = im.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
+            left, top = (nw - size) // 2, (nh - size) // 2
+            return np.asarray(im.crop((left, top, left + size, top + size)), dtype=np.uint8)
+    except Exception as e:
+        raise DataError(f"cannot decode image {where}: {e}") from None
+
+
+@dataclass
+class EncodedImages:
+    """A microbatch still encoded (``data.decode=cuda``): decoded on the device in
+    ``to_model_input`` / ``BatchAugment``. ``data``: 1-D uint8 CPU tensors."""
+    data: list
+    size: int
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class ShardImages:
+    """Stands in for the uint8 [N, H, W, 3] images of a split stored in shards: indexing reads
+    the members by offset and decodes them (``decode="cpu"``, in ``workers`` threads) or returns
+    them encoded (``decode="cuda"``)."""
+
+    dtype = torch.uint8
+    ndim = 4
+
+    def __init__(self, paths: list[str], entries: list[tuple[int, int, int]], size: int,
+                 workers: int = 1, decode: str = "cpu"):
+        self.paths, self.size, self.decode = paths, size, decode
+        self.entries = np.asarray(entries, dtype=np.int64).reshape(-1, 3)  # shard, offset, size
+        self.shard_ids = torch.from_numpy(self.entries[:, 0].copy())
+        self.shape = (len(self.entries), size, size, 3)
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="vitgraph-shards")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def read(self, i: int) -> bytes:
+        shard, offset, size = (int(v) for v in self.entries[i])
+        with open(self.paths[shard], "rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise DataError(f"{self.paths[shard]}: truncated member at offset {offset}")
+        return data
+
+    def _load(self, i: int) -> np.ndarray:
+        return decode_image(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
+                                                     f"@{int(self.entries[i, 1])}")
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            idx = list(range(*index.indices(len(self))))
+        else:
+            idx = torch.as_tensor(index).reshape(-1).tolist()
+        if self.decode == "cuda":
+            data = list(self._pool.map(self.read, idx))
+            return EncodedImages([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data],
+                                 self.size)
+        images = list(self._pool.map(self._load, idx))
+        if not images:
+            return torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
+        return torch.from_numpy(np.stack(images))
+
+
+def read_shard_split(root: str, split: str, size: int, workers: int, decode: str,
+                     classes: list[str] | None = None) -> ImageDataset:
+    paths, per_shard, index_classes = read_index(root, split)
+    entries, labels, captions = [], [], []
+    for s, samples in enumerate(per_shard):
+        for smp in samples:
+            entries.append((s, smp["offset"], smp["size"]))
+            labels.append(int(smp.get("cls", -1)))
+            captions.append(smp.get("txt"))
+    has_txt = all(c is not None for c in captions)
+    if any(lb < 0 for lb in labels) and not has_txt:
+        raise DataError(f"{root}: {split} samples need a .cls (class) or .txt (caption) member")
+    classes = classes or index_classes
+    if classes is None:
+        n = max(labels) + 1 if labels else 0
+        classes = [str(i) for i in range(max(n, 1))]
+    images = ShardImages(paths, entries, size, workers, decode)
+    return ImageDataset(images, torch.tensor(labels, dtype=torch.int64), list(classes),  # type: ignore[arg-type]
+                        captions if has_txt else None)
+
+
+def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
+    """(train, val) from ``data_cfg.path``'s ``train-*.tar`` / ``val-*.tar`` shards."""
+    root = data_cfg.path
+    if not root or not os.path.isdir(root):
+        raise DataError(f"data.kind=webdataset: data.path must name a folder of train-*.tar / "
+                        f"val-*.tar shards, got {root!r}")
+    decode = resolve_decode(getattr(data_cfg, "decode", "cpu"))
+    if decode == "cuda" and not torch.cuda.is_available():
+        raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
+    train = read_shard_split(root, "train", data_cfg.render_size, data_cfg.workers, decode)
+    val = read_shard_split(root, "val", data_cfg.render_size, data_cfg.workers, decode,
+                           train.classes)
+    return train, val
+
+
+def resolve_decode(decode: str) -> str:
+    if decode == "auto":
+        return "cuda" if torch.cuda.is_available() and _nvjpeg_available() else "cpu"
+    return decode
+
+
+def _nvjpeg_available() -> bool:
+    try:
+        import torchvision.io  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor:
+    """Encoded microbatch -> uint8 [b, s, s, 3] on ``device``: batched nvJPEG decode on CUDA
+    (``torchvision.io.decode_jpeg(device=...)``), then per-image shorter-side resize and center
+    crop. ``decoder`` (list of byte tensors -> list of uint8 [3, H, W]) replaces nvJPEG in tests."""
+    import torch.nn.functional as F
+    if decoder is None:
+        from torchvision.io import ImageReadMode, decode_jpeg
+        imgs = decode_jpeg(batch.data, device=device, mode=ImageReadMode.RGB)
+    else:
+        imgs = decoder(batch.data)
+    s = batch.size
+    out = torch.empty((len(imgs), s, s, 3), dtype=torch.uint8, device=device)
+    for i, im in enumerate(imgs):
+        im = im.to(device)
+        h, w = im.shape[-2:]
+        scale = s / min(h, w)
+        nh, nw = max(s, round(h * scale)), max(s, round(w * scale))
+        if (nh, nw) != (h, w):
+            im = F.interpolate(im[None].float(), size=(nh, nw), mode="bicubic",
+                               align_corners=False, antialias=True)[0]
+            im = im.round_().clamp_(0, 255).to(torch.uint8)
+        top, left = (nh - s) // 2, (nw - s) // 2
+        out[i] = im[:, top:top + s, left:left + s].permute(1, 2, 0)
+    return out

@@ -1,0 +1,96 @@
+"""Initial weights that do not depend on the parallel layout.
+
+Every parameter is drawn whole, from a generator seeded by (run seed, the parameter's global
+name), on the CPU in fp32; a tensor-parallel rank then keeps its slice along the parameter's
+partition dimension. So the same seed gives the same model for any tp, pp or vpp, for both
+layer specs and on CPU or GPU, and a checkpoint's weights can be compared across layouts.
+
+Global names are the tp=1, pp=1 names: ``decoder.layers.<global layer index>.<rest>``.
+megatron's fused QKV weight is laid out per head group ([groups, (heads/groups + 2) x head_dim,
+width]), so contiguous slices along dim 0 are exactly what tensor parallelism hands each rank.
+
+Distributions (as megatron-core and timm): QKV and FC1 weights N(0, init_std); the output
+projections (attention proj, FC2) N(0, init_std / sqrt(2 x layers)); biases 0; norm weights 1;
+patch embedding U(+-1/sqrt(fan_in)) as torch's Conv2d; class token, registers and position
+embeddings truncated N(0, 0.02); the head 0. An unknown parameter is an error, so a new
+module cannot silently get layout-dependent weights.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+
+def global_names(model: torch.nn.Module) -> dict[str, str]:
+    """Local state-dict name -> global (tp=1, pp=1) name for one model chunk (TE's
+    ``_extra_state`` entries left out)."""
+    offsets = {}
+    decoder = getattr(model, "decoder", None)
+    for i, layer in enumerate(getattr(decoder, "layers", [])):
+        offsets[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
+    out = {}
+    for name in model.state_dict(keep_vars=True):
+        if name.endswith("_extra_state"):
+            continue
+        glob = name
+        for local, g in offsets.items():
+            if name.startswith(local):
+                glob = g + name[len(local):]
+                break
+        out[name] = glob
+    return out
+
+
+def _seed(seed: int, name: str) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers: int) -> torch.Tensor:
+    t = torch.empty(shape, dtype=torch.float32)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "layer_norm_weight" or name.startswith("final_norm.") and leaf == "weight":
+        return t.fill_(1.0)
+    if leaf in ("layer_norm_bias",) or name.startswith(("final_norm.", "head.")):
+        return t.zero_()
+    if name.startswith("decoder.layers."):
+        if leaf == "bias":
+            return t.zero_()
+        if name.endswith(("linear_qkv.weight", "linear_fc1.weight")):
+            return t.normal_(0.0, std, generator=gen)
+        if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            return t.normal_(0.0, std / math.sqrt(2.0 * layers), generator=gen)
+    if name == "patch_embed.weight":
+        bound = 1.0 / math.sqrt(shape[1] * shape[2] * shape[3])
+        return t.uniform_(-bound, bound, generator=gen)
+    if name in ("pos_embed", "cls_token", "registers"):
+        return torch.nn.init.trunc_normal_(t, std=0.02, generator=gen)
+    raise ValueError(f"vitgraph.models.init: no initialisation rule for parameter {name!r}")
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Fill every parameter of ``model`` (one chunk) from (seed, global name); see above."""
+    names = global_names(model)
+    std = model.config.init_method_std
+    layers = model.config.num_layers
+    patch_fan_in = None
+    if hasattr(model, "patch_embed"):
+        w = model.patch_embed.weight
+        patch_fan_in = w.shape[1] * w.shape[2] * w.shape[3]
+    for local, p in model.named_parameters():
+        name = names[local]
+        shape = list(p.shape)
+        dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+        if dim >= 0 and tp_size > 1:
+            shape[dim] *= tp_size
+        gen = torch.Generator().manual_seed(_seed(seed, name))
+        if name == "patch_embed.bias":  # torch's Conv2d: the weight's fan-in bounds the bias
+            bound = 1.0 / math.sqrt(patch_fan_in)
+            full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        else:
+            full = _draw(name, shape, gen, std, layers)
+        if dim >= 0 and tp_size > 1:
+            full = full.chunk(tp_size, dim=dim)[tp_rank]
+        p.copy_(full.to(p.dtype))
