@@ -220,11 +220,50 @@ def test_imagefolder_without_preload_decodes_the_same_batches(folder):
             zip(iterate_eval(eager_val, 1), iterate_eval(lazy_val, 1))] == [True, True]
 
 
-def test_imagefolder_without_preload_names_a_corrupt_file_when_drawn(folder):
+def test_imagefolder_without_preload_skips_a_corrupt_file_when_drawn(folder, caplog):
+    """A corrupt file found when drawn is replaced by the next readable image of its class
+    (the label stays right, batches keep their shape), counted and named in the log."""
     (folder / "train" / "cat" / "bad.png").write_bytes(b"not a png")
+    (folder / "train" / "cat" / "d.png").write_bytes(b"")  # empty file
     train, _ = build_datasets(folder_cfg(folder, preload=False), seed=0)  # no decoding yet
-    with pytest.raises(DataError, match="bad.png"):
-        train.images[torch.arange(len(train))]
+    assert train.labels.tolist() == [0, 0, 0, 1, 1]  # cat: bad.png c.jpeg d.png; dog: a, b
+    with caplog.at_level("WARNING", logger="vitgraph"):
+        images = train.images[torch.arange(len(train))]
+    assert images.shape == (5, 8, 8, 3)
+    cat = train.images[torch.tensor([1])][0]
+    assert torch.equal(images[0], cat) and torch.equal(images[2], cat)  # both replaced by c.jpeg
+    assert sorted(os.path.basename(train.images.paths[i]) for i in train.images.unreadable) == [
+        "bad.png", "d.png"]
+    assert "bad.png" in caplog.text and "d.png" in caplog.text
+    for f in ("c.jpeg",):  # a class with nothing readable left is an error naming a file
+        (folder / "train" / "cat" / f).write_bytes(b"junk")
+    train, _ = build_datasets(folder_cfg(folder, preload=False), seed=0)
+    with pytest.raises(DataError, match="no readable image"):
+        train.images[torch.tensor([0])]
+
+
+def test_imagefolder_skips_corrupt_images_and_ignores_other_files(folder, caplog):
+    for name, data in (("bad.png", b"\x89PNG\r\n\x1a\n this is not a png"), ("empty.jpg", b""),
+                       ("cut.png", None)):
+        path = folder / "train" / "dog" / name
+        if data is None:  # a real PNG cut in half
+            _write(path, (30, 30), (1, 2, 3), "PNG")
+            data = path.read_bytes()[:40]
+        path.write_bytes(data)
+    (folder / "train" / "dog" / "README.md").write_text("not an image")
+    (folder / "train" / "dog" / ".hidden.png").write_bytes(b"junk")  # hidden: ignored
+    with caplog.at_level("WARNING", logger="vitgraph"):
+        train, val = build_datasets(folder_cfg(folder), seed=0)
+    assert train.images.shape == (3, 8, 8, 3) and train.labels.tolist() == [0, 1, 1]
+    assert "skipped 3 unreadable image(s) of 6" in caplog.text
+    for name in ("bad.png", "empty.jpg", "cut.png"):
+        assert name in caplog.text
+    assert "README" not in caplog.text and ".hidden" not in caplog.text
+    # a split where nothing decodes is an error naming a file
+    for f in (folder / "val").rglob("*.png"):
+        f.write_bytes(b"junk")
+    with pytest.raises(DataError, match=r"no readable images in .*val.*\.png"):
+        build_datasets(folder_cfg(folder), seed=0)
 
 
 def test_imagefolder_errors(folder, tmp_path):
@@ -241,11 +280,10 @@ def test_imagefolder_errors(folder, tmp_path):
         build_datasets(folder_cfg(folder), seed=0)
     (folder / "val" / "fish").rmdir()
 
-    bad = folder / "train" / "dog" / "zz.png"
-    bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not a png")
-    with pytest.raises(DataError, match=re.escape(str(bad))):
+    (folder / "val" / "cat" / "d.png").unlink()  # an empty class folder
+    with pytest.raises(DataError, match=re.escape(str(folder / "val" / "cat"))):
         build_datasets(folder_cfg(folder), seed=0)
-    bad.unlink()
+    _write(folder / "val" / "cat" / "d.png", (64, 64), (10, 20, 30), "PNG")
 
     os.rename(folder / "val", folder / "valx")
     with pytest.raises(DataError, match=re.escape(str(folder / "val"))):

@@ -205,15 +205,39 @@ def test_sbatch_shape():
     text = SBATCH.read_text()
     lines = text.splitlines()
     directives = [ln for ln in lines if ln.startswith("#SBATCH")]
-    for want in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive",
-                 "--output="):
+    for want in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--exclusive",
+                 "--output=", "--signal=USR1@", "--requeue"):
         assert any(want in d for d in directives), f"missing #SBATCH {want}"
     # sbatch stops reading directives at the first command
     first_cmd = next(i for i, ln in enumerate(lines[1:], 1)
                      if ln.strip() and not ln.startswith("#"))
     last_directive = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
     assert last_directive < first_cmd
-    for want in ('scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1', "SLURM_NODEID",
-                 "--container-image", "--rdzv-backend c10d", "--nnodes \"$SLURM_NNODES\"",
+    for want in ('scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p', "SLURM_PROCID",
+                 "SLURM_LOCALID", "--container-image", "-m vitgraph train",
                  "sbatch scripts/slurm/train.sbatch configs/vit-l16-imagefolder.yaml"):
         assert want in text, want
+
+
+@pytest.mark.parametrize("code,requeued", [(75, True), (0, False), (1, False)])
+def test_sbatch_requeues_on_the_preempted_exit_code(tmp_path, code, requeued):
+    """srun and scontrol replaced by stubs: the script's own logic around them."""
+    from vitgraph.train.preempt import PREEMPTED_EXIT
+    assert f"PREEMPTED_EXIT={PREEMPTED_EXIT}" in SBATCH.read_text()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\necho "scontrol $*" >> {calls}\n'
+        '[ "$1" = show ] && printf "node1\\nnode2\\n"\nexit 0\n')
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $*" >> {calls}\nexit {code}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42",
+               SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(tmp_path))
+    r = subprocess.run(["bash", str(SBATCH), "configs/vit-tiny-shapes.yaml", "train.steps=5"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, r.stderr
+    log = calls.read_text()
+    assert "srun --wait=" in log and "vitgraph configs/vit-tiny-shapes.yaml train.steps=5" in log
+    assert ("scontrol requeue 42" in log) == requeued, log

@@ -82,7 +82,3 @@ def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env):
         assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-6), (s, got[s], ref[s])
 
 
-def test_completed_run_is_not_retrained(tmp_path, env):
-    run(env, *tiny_overrides(tmp_path / "r", steps=10))
-    r = run(env, *tiny_overrides(tmp_path / "r", steps=10))
-    assert "resumed from" in r.stdout and "step 10/10" not in r.stdout.split("resumed from")[1]

@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
+    from vitgraph.train.checkpoint import NoIntactCheckpoint
+    from vitgraph.train.loop import TrainingFailed
+    from vitgraph.train.preempt import PREEMPTED_EXIT, Preempted
+    # exit codes: 0 done (or already finished), 2 the user's input (config, data, weights, no
+    # usable checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal with a
+    # checkpoint saved (requeue), 1 a failure during training (traceback in train.log)
     try:
         if args.command == "eval":
             from vitgraph.train.evaluate import evaluate_checkpoint
@@ -85,10 +91,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from vitgraph.train.loop import train
             train(cfg)
+    except ConfigError as e:  # the run folder holds another run
+        print(f"vitgraph: config error: {e}", file=sys.stderr)
+        return 2
     except (DataError, ConvertError) as e:  # found after start-up: still the user's input
         print(f"vitgraph: {'data' if isinstance(e, DataError) else 'weights'} error: {e}",
               file=sys.stderr)
         return 2
+    except NoIntactCheckpoint as e:
+        print(f"vitgraph: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except Preempted as e:
+        print(f"vitgraph: {e} (exit {PREEMPTED_EXIT})", file=sys.stderr)
+        return PREEMPTED_EXIT
+    except TrainingFailed as e:
+        print(f"vitgraph: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

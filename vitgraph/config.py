@@ -124,6 +124,12 @@ class TrainConfig:
     progress: bool = True  # progress bar on rank 0
     tensorboard: bool = True
     peak_flops: float = 790e12  # bf16 dense matmul rate (measured on the H200) for MFU
+    # a step with a non-finite loss or gradient norm is skipped (weights and optimizer state
+    # untouched); this many in a row stop the run with an error
+    max_bad_steps: int = 10
+    # test-only fault injection: steps (1-based) whose loss is multiplied by NaN, e.g. "5" or
+    # "5-7,9". Leave empty
+    inject_nan_steps: str = ""
 
 
 @dataclass
@@ -341,6 +347,12 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("train.epochs", t.epochs, "must be positive")
     if t.eval_every < 0:
         err("train.eval_every", t.eval_every, "must be >= 0")
+    if t.max_bad_steps < 1:
+        err("train.max_bad_steps", t.max_bad_steps, "must be >= 1")
+    try:
+        parse_steps(t.inject_nan_steps)
+    except ValueError:
+        err("train.inject_nan_steps", t.inject_nan_steps, "expected steps such as '5' or '5-7,9'")
 
     p = cfg.parallel
     for key in ("tp", "pp", "vpp"):
@@ -410,6 +422,27 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("data.workers", d.workers, "must be >= 1")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         err("checkpoint.keep", cfg.checkpoint.keep, "checkpoint.every >= 0 and checkpoint.keep >= 1")
+
+
+def validate_machine(cfg: Config, src: str = "<config>") -> None:
+    """Checks against this machine, made before a run starts (``validate`` leaves them out so
+    that GPU configs still load anywhere)."""
+    if cfg.model.spec == "te":
+        import torch
+
+        from vitgraph.models.specs import te_available
+        if not (torch.cuda.is_available() and te_available()):
+            raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
+                              f"(pip install -e .[te]); use model.spec=torch or auto without them")
+
+
+def parse_steps(text: str) -> set[int]:
+    """'5-7,9' -> {5, 6, 7, 9}; '' -> set()."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        steps.update(range(int(lo), int(hi or lo) + 1))
+    return steps
 
 
 def save_config(cfg: Config, path: Path) -> None:

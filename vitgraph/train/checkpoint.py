@@ -1,4 +1,5 @@
-"""Checkpoints: model, optimizer, schedule, data position and RNG state, written atomically.
+"""Checkpoints: model, optimizer, schedule, data position and RNG state, written atomically and
+verified before use.
 
 Layout under ``<run_dir>/checkpoints``::
 
@@ -11,18 +12,31 @@ Layout under ``<run_dir>/checkpoints``::
                                     names: ``safetensors`` / ``torch.load(weights_only=True)``
                                     readers, ``vitgraph export``
     step_000200/rng_rank_NNNNN.pt   every rank's RNG state, restored only at the same layout
-    latest                          the name of the newest complete step directory
+    step_000200/manifest.json       every other file under step_000200/ (recursively): size and
+                                    sha256; written last
+    latest                          the name of the newest complete step directory (for people;
+                                    resuming scans the step directories)
 
-Every rank writes into ``step_XXXXXX.tmp/`` (each file via tmp + rename); after a barrier rank 0
-renames the directory and then rewrites ``latest``. A crash at any point leaves either the old
-``latest`` or the new one pointing at a complete directory: a half-written checkpoint is a
-``.tmp`` directory, never loaded and removed by the next save.
+The integrity layer does not care what the payload is: ``write_payload`` / ``read_payload`` are
+the only functions that know the files above, and the manifest covers whatever they leave in
+the step directory. Every rank writes into ``step_XXXXXX.tmp/``; once all ranks report success,
+rank 0 hashes the files, writes the manifest, renames the directory and rewrites ``latest``.
+A crash or a failed write (full disk, unwritable folder) leaves a ``.tmp`` directory, which is
+never loaded and is removed by the next save; the checkpoints before it are untouched.
+
+On resume the newest step directory whose manifest matches its files is used; damaged ones are
+reported with the file named. Pruning to ``keep`` never removes the newest intact checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import re
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,15 +44,79 @@ import torch.distributed as dist
 
 from vitgraph.parallel.setup import Dist
 
+log = logging.getLogger("vitgraph")
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file."""
+
+
+class NoIntactCheckpoint(CheckpointError):
+    """Checkpoints exist and every one is damaged: the user decides (exit 2)."""
+
+
+# ---------------------------------------------------------------- the payload (swappable)
+
+def _layout(d: Dist) -> dict:
+    return {"world": d.world, "tp": d.tp, "pp": d.pp, "vpp": d.vpp, "dp": d.dp}
+
+
+def write_payload(directory: Path, d: Dist, sharded_state: dict, step: int) -> None:
+    """Every rank's part of a checkpoint, written into ``directory`` (which exists).
+    ``sharded_state``: the dict ``dist_checkpointing.save`` takes, the same on every rank."""
+    from megatron.core import dist_checkpointing
+    if d.rank == 0:
+        (directory / "dist").mkdir()
+    _barrier()
+    dist_checkpointing.save({**sharded_state, "step": step}, str(directory / "dist"))
+    _save({**_rng_state(d), "layout": _layout(d)}, directory / f"rng_rank_{d.rank:05d}.pt")
+    _barrier()
+    if d.rank == 0:
+        from vitgraph.convert import read_dist_weights, save_safetensors
+        weights, _ = read_dist_weights(directory / "dist")
+        save_safetensors(weights, directory / "model.safetensors", metadata={"step": step})
+
+
+def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
+    """This rank's state, loaded into the shapes of ``sharded_template`` (this run's layout);
+    restores the RNG state when the layout matches."""
+    from megatron.core import dist_checkpointing
+    if not (directory / "dist").is_dir():
+        raise CheckpointError(f"{directory}: no dist/ folder; not a vitgraph checkpoint of this "
+                              f"format")
+    try:
+        state = dist_checkpointing.load({**sharded_template, "step": None}, str(directory / "dist"))
+    except Exception as e:
+        raise CheckpointError(f"{directory / 'dist'}: cannot be read ({type(e).__name__}: "
+                              f"{e})") from None
+    rng_file = directory / f"rng_rank_{d.rank:05d}.pt"
+    if rng_file.is_file():
+        rng = _load(rng_file, "cpu")
+        if rng.get("layout") == _layout(d):  # another layout: keep this run's fresh RNG
+            _set_rng_state(rng, d)
+    return state
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _save(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def _load(path: Path, device):
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError...
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
 def _rng_state(d: Dist) -> dict:
@@ -58,76 +136,214 @@ def _set_rng_state(state: dict, d: Dist) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+# ---------------------------------------------------------------- collectives that agree
+
+def _everyone(fn, d: Dist, what: str):
+    """Run ``fn`` on every rank and agree on the outcome: if it failed anywhere, every rank
+    raises CheckpointError naming the failures (a plain barrier would hang the healthy ranks).
+    Returns rank 0's result on every rank."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # OSError (ENOSPC, EACCES, EROFS), pickling errors...
+        error = f"rank {d.rank}: {type(e).__name__}: {e}"
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        outcomes = [(result, error)]
+    else:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (result, error))
+    errors = [e for _, e in outcomes if e]
+    if errors:
+        raise CheckpointError(f"{what} failed: {'; '.join(errors[:4])}")
+    return outcomes[0][0]
 
 
-def _layout(d: Dist) -> dict:
-    return {"world": d.world, "tp": d.tp, "pp": d.pp, "vpp": d.vpp, "dp": d.dp}
+# ---------------------------------------------------------------- manifest
+
+def _sha256(path: Path) -> str:
+    h, buf = hashlib.sha256(), bytearray(1 << 22)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
-def save(ckpt_dir: Path, step: int, d: Dist, sharded_state: dict, keep: int) -> Path:
-    """``sharded_state``: the dict ``dist_checkpointing.save`` takes (see ``sharded_state``
-    in vitgraph.train.loop), the same structure on every rank."""
-    from megatron.core import dist_checkpointing
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def _hash_all(directory: Path, names: list[str]) -> list[str]:
+    # hashlib releases the GIL: threads read and hash files in parallel
+    with ThreadPoolExecutor(min(8, max(1, len(names)), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda n: _sha256(directory / n), names))
+
+
+def write_manifest(directory: Path, step: int) -> dict:
+    names = _files(directory)
+    digests = _hash_all(directory, names)
+    manifest = {"format": 1, "step": step, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "files": {n: {"size": (directory / n).stat().st_size, "sha256": h}
+                          for n, h in zip(names, digests)}}
+    tmp = directory / (MANIFEST + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    return manifest
+
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the save did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        assert isinstance(files, dict) and files
+    except Exception:
+        raise CheckpointError(f"{path}: not a valid manifest") from None
+    return manifest
+
+
+def verify(directory: Path, checksums: bool = True) -> list[str]:
+    """Problems with a step directory, each naming a file; empty when it is intact.
+    ``checksums=False`` checks presence and sizes only (cheap)."""
+    try:
+        files = _read_manifest(directory)["files"]
+    except CheckpointError as e:
+        return [str(e)]
+    problems, present = [], []
+    for name, meta in files.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != meta["size"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says "
+                            f"{meta['size']}")
+        else:
+            present.append(name)
+    if checksums and not problems:
+        for name, digest in zip(present, _hash_all(directory, present)):
+            if digest != files[name]["sha256"]:
+                problems.append(f"{directory / name}: checksum differs from the manifest")
+    return problems
+
+
+# ---------------------------------------------------------------- save / find / load
+
+def step_dirs(ckpt_dir: Path) -> list[Path]:
+    """Complete-looking step directories (not ``.tmp``), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                  key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def save(ckpt_dir: Path, step: int, d: Dist, state: dict, keep: int) -> Path:
+    """Write ``state`` (the sharded state dict, see ``write_payload``) as checkpoint ``step``. Raises CheckpointError on every rank if any rank fails; the earlier
+    checkpoints are untouched then."""
     final = ckpt_dir / f"step_{step:06d}"
     tmp = ckpt_dir / f"step_{step:06d}.tmp"
-    if d.rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "dist").mkdir(parents=True)
-    _barrier()
-    dist_checkpointing.save({**sharded_state, "step": step}, str(tmp / "dist"))
-    _atomic_save({**_rng_state(d), "layout": _layout(d)}, tmp / f"rng_rank_{d.rank:05d}.pt")
-    _barrier()
-    if d.rank == 0:
-        from vitgraph.convert import read_dist_weights, save_safetensors
-        weights, _ = read_dist_weights(tmp / "dist")
-        save_safetensors(weights, tmp / "model.safetensors", metadata={"step": step})
-        shutil.rmtree(final, ignore_errors=True)
+
+    def prepare():
+        if d.rank == 0:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+
+    def finish():
+        if d.rank != 0:
+            return
+        write_manifest(tmp, step)
+        _fsync_dir(tmp)
+        if final.exists():  # a damaged checkpoint of the same step, passed over on resume
+            shutil.rmtree(final)
         os.replace(tmp, final)
-        latest_tmp = ckpt_dir / "latest.partial"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, ckpt_dir / "latest")
-        _prune(ckpt_dir, keep)
-    _barrier()
+        _fsync_dir(ckpt_dir)
+        pointer = ckpt_dir / "latest.partial"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, ckpt_dir / "latest")
+        _prune(ckpt_dir, keep, final)
+
+    try:
+        _everyone(prepare, d, f"checkpoint {tmp}: creating the folder")
+        _everyone(lambda: write_payload(tmp, d, state, step), d, f"checkpoint {tmp}: writing")
+        _everyone(finish, d, f"checkpoint {final}: finishing")
+    except CheckpointError as e:
+        if d.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = [p.name for p in step_dirs(ckpt_dir) if p != final]
+        raise CheckpointError(f"{e}. The earlier checkpoints are untouched "
+                              f"({', '.join(previous[-3:]) or 'none'}); free space or fix the "
+                              f"folder's permissions, then run the same command to resume"
+                              ) from None
     return final
 
 
-def _prune(ckpt_dir: Path, keep: int) -> None:
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(ckpt_dir: Path, keep: int, newest: Path) -> None:
+    """Keep the ``keep`` newest intact checkpoints (sizes checked) and ``newest``, which was
+    just written and hashed; remove leftovers of failed saves and everything older."""
     for stale in ckpt_dir.glob("step_*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
-    done = sorted(p for p in ckpt_dir.iterdir() if STEP_DIR.match(p.name))
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    kept = {newest}
+    for path in reversed(step_dirs(ckpt_dir)):
+        if len(kept) >= keep:
+            break
+        if path != newest and not verify(path, checksums=False):
+            kept.add(path)
+    for path in step_dirs(ckpt_dir):
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def find_resumable(ckpt_dir: Path, d: Dist) -> Path | None:
+    """The newest intact checkpoint, checked on rank 0 and agreed by all ranks. None when there
+    is no checkpoint at all; CheckpointError when there are some and none is intact."""
+    def choose():
+        if d.rank != 0:
+            return None
+        damaged = []
+        for path in reversed(step_dirs(ckpt_dir)):
+            problems = verify(path)
+            if not problems:
+                return str(path), damaged
+            damaged.append(problems)
+            log.warning("checkpoint %s is damaged, passing over it: %s", path.name,
+                        "; ".join(problems[:3]))
+        return None, damaged
+
+    chosen, damaged = _everyone(choose, d, f"checking the checkpoints in {ckpt_dir}")
+    if chosen is None and damaged:
+        raise NoIntactCheckpoint(
+            f"no intact checkpoint in {ckpt_dir}: "
+            + "; ".join(p[0] for p in damaged[:3])
+            + ". Start over with checkpoint.resume=false, or start a new run with run.name=...")
+    return Path(chosen) if chosen else None
 
 
 def latest(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint directory, or None."""
-    pointer = ckpt_dir / "latest"
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    path = ckpt_dir / name
-    if not STEP_DIR.match(name) or not path.is_dir():
-        raise RuntimeError(f"{pointer}: points at {name!r}, which is not a complete checkpoint")
-    return path
+    """The newest step directory whose files match its manifest's sizes (cheap), or None."""
+    for path in reversed(step_dirs(ckpt_dir)):
+        if not verify(path, checksums=False):
+            return path
+    return None
 
 
 def load(path: Path, d: Dist, sharded_template: dict) -> dict:
-    """This rank's state from a complete checkpoint directory, loaded into the shapes of
-    ``sharded_template`` (this run's layout); restores the RNG state when the layout matches."""
-    from megatron.core import dist_checkpointing
-    if not (path / "dist").is_dir():
-        raise RuntimeError(f"{path}: no dist/ folder; not a vitgraph checkpoint of this format")
-    state = dist_checkpointing.load({**sharded_template, "step": None}, str(path / "dist"))
-    rng_file = path / f"rng_rank_{d.rank:05d}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)
-        if rng.get("layout") == _layout(d):  # another layout: keep this run's fresh RNG
-            _set_rng_state(rng, d)
-    return state
+    """This rank's state from a verified checkpoint directory; restores the RNG state."""
+    return read_payload(path, d, sharded_template)
 
 
 def load_model(path: Path, chunks: list) -> int:

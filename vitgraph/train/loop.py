@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vitgraph.config import Config, save_config
+from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models.registry import resolve_arch
@@ -24,7 +26,10 @@ from vitgraph.models.vit import unwrap, vit_flops_per_image
 from vitgraph.parallel.setup import (Dist, build_model, init_distributed, parallelize, shutdown,
                                      use_bf16)
 from vitgraph.train import checkpoint
+from vitgraph.train.health import StepHealth
 from vitgraph.train.optim import build_optimizer, build_scheduler
+from vitgraph.train.preempt import Preempted, StopRequests
+from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
 
 log = logging.getLogger("vitgraph")
 
@@ -67,6 +72,10 @@ class Progress:
             sys.stderr.write("\n")
 
 
+class TrainingFailed(RuntimeError):
+    """A failure during training, summarised on one line; the traceback is in train.log."""
+
+
 def _split_padded(images, labels, k: int) -> list:
     """One eval batch as ``k`` equal microbatches, filled up with copies of the first image
     labelled -1 (not counted)."""
@@ -81,6 +90,10 @@ def _split_padded(images, labels, k: int) -> list:
 
 
 class Trainer:
+    _nan_now = False  # test-only fault injection (train.inject_nan_steps): poison this step's loss
+    _saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
+    stops: StopRequests | None = None
+
     def __init__(self, cfg: Config, readonly: bool = False):
         """``readonly`` (``vitgraph eval``): write nothing into the run directory (no config,
         train.log or TensorBoard files); log to stdout only."""
@@ -190,6 +203,8 @@ class Trainer:
             n = valid.sum()
             loss = F.cross_entropy(output, targets, label_smoothing=label_smoothing,
                                    ignore_index=-1)
+            if self._nan_now:
+                loss = loss * float("nan")
             correct = ((output.argmax(-1) == labels) & valid).sum()
             # the schedule divides `loss` in place by the number of microbatches: log a clone
             total = torch.where(n > 0, loss.detach().clone() * n, 0.0)
@@ -269,12 +284,13 @@ class Trainer:
     def save(self) -> None:
         path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
                                self.cfg.checkpoint.keep)
+        self._saved_step = self.step
         log.info("checkpoint: %s", path)
 
     def maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
             return
-        path = checkpoint.latest(self.ckpt_dir)
+        path = checkpoint.find_resumable(self.ckpt_dir, self.d)
         if path is None:
             return
         state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True))
@@ -283,7 +299,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
-        self.step = state["step"]
+        self.step = self._saved_step = state["step"]
         if self.graphs is not None:
             self.graphs.reset()  # parameters were overwritten: capture again
         log.info("resumed from %s at step %d", path, self.step)
@@ -309,47 +325,71 @@ class Trainer:
         cfg, d = self.cfg, self.d
         self.maybe_resume()
         t = cfg.train
+        if self.stops is None:
+            self.stops = StopRequests().install()
+        health = StepHealth(t.max_bad_steps)
+        nan_steps = parse_steps(t.inject_nan_steps)
         progress = Progress(self.total_steps, self.step, t.progress and d.rank == 0)
         window = torch.zeros(3, device=d.device)
-        window_steps, window_norm, skipped = 0, 0.0, 0
+        window_steps, window_norm, window_good = 0, 0.0, 0
         t_window = t_start = time.time()
-        resumed_at, record = self.step, {}
+        record, nan = {}, float("nan")
         while self.step < self.total_steps:
             if self.graphs is not None:
                 self.graphs.step_begin(self.step)
+            self._nan_now = self.step + 1 in nan_steps
             stats, grad_norm, ok = self.train_step(self.loader.next_step())
             self.step += 1
-            window += stats
             window_steps += 1
-            window_norm += grad_norm
-            skipped += not ok
+            health.update(ok)
+            if torch.is_tensor(ok):  # a skipped step's NaN stays out of the logged means
+                window += torch.where(ok, stats, torch.zeros_like(stats))
+                window_norm = window_norm + torch.where(ok, torch.as_tensor(grad_norm), 0.0)
+                window_good = window_good + ok.long()
+            elif ok:
+                window += stats
+                window_norm += grad_norm
+                window_good += 1
+            if health.on_host():  # known without a sync: stop at once
+                health.check(self.step)
             last = self.step == self.total_steps
             if self.step % t.log_every == 0 or last:
                 loss_sum, correct, n = self._reduce(window).tolist()
+                window_norm, window_good = float(window_norm), int(window_good)
                 if d.cuda:
                     torch.cuda.synchronize()
                 dt = time.time() - t_window
                 ips = window_steps * t.global_batch_size / dt
                 tflops = ips * self.flops_per_image / d.world / 1e12  # per GPU
                 record = {"step": self.step, "epoch": self.loader.epoch,
-                          "loss": loss_sum / max(n, 1), "train_top1": correct / max(n, 1),
+                          # None when every step of the window was skipped
+                          "loss": loss_sum / n if n else None,
+                          "train_top1": correct / n if n else None,
                           "lr": self.optimizer.param_groups[0]["lr"],
-                          "grad_norm": window_norm / window_steps, "images_per_s": ips,
+                          "grad_norm": window_norm / window_good if window_good else None,
+                          "images_per_s": ips,
                           "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / t.peak_flops,
-                          "peak_mem_gib": self._peak_mem_gib(), "skipped_steps": skipped}
+                          "peak_mem_gib": self._peak_mem_gib(),
+                          "skipped_steps": health.read()[0]}
                 if self.graphs is not None:
                     record.update({f"graphs_{k}": v for k, v in self.graphs.stats().items()
                                    if isinstance(v, (int, float))})
                 self._log(record)
                 log.info("step %d/%d | loss %.4f | top1 %.3f | lr %.2e | grad %.3f | %.1f img/s "
-                         "| %.2f TFLOP/s/gpu | MFU %.1f%% | mem %.2f GiB%s", self.step,
-                         self.total_steps, record["loss"], record["train_top1"], record["lr"],
-                         record["grad_norm"], ips, tflops, 100 * record["mfu"],
-                         record["peak_mem_gib"], self._graph_summary())
+                         "| %.2f TFLOP/s/gpu | MFU %.1f%% | mem %.2f GiB%s%s", self.step,
+                         self.total_steps, *(nan if v is None else v for v in (
+                             record["loss"], record["train_top1"], record["lr"],
+                             record["grad_norm"])), ips, tflops, 100 * record["mfu"],
+                         record["peak_mem_gib"], self._graph_summary(),
+                         f" | skipped {record['skipped_steps']} non-finite steps"
+                         if record["skipped_steps"] else "")
+                health.check(self.step)
                 window.zero_()
-                window_steps, window_norm = 0, 0.0
+                window_steps, window_norm, window_good = 0, 0.0, 0
                 t_window = time.time()
             progress.update(self.step)
+            if not last and self.stops.poll():
+                self._stop_preempted()
             if (t.eval_every and self.step % t.eval_every == 0) and not last:
                 evals = self.evaluate()
                 self._log({"step": self.step, **evals})
@@ -357,28 +397,52 @@ class Trainer:
                          evals["eval_loss"])
                 t_window = time.time()  # eval time stays out of img/s
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
+                health.check(self.step)  # a run of bad steps at the limit stops unsaved
                 self.save()
                 t_window = time.time()
         progress.close()
+        health.check(self.step)
         wall = time.time() - t_start
         evals = self.evaluate()
         self._log({"step": self.step, **evals})
         log.info("eval step %d | top1 %.4f | loss %.4f", self.step, evals["eval_top1"],
                  evals["eval_loss"])
-        if self.step > resumed_at:  # a finished run that is started again saves nothing new
+        if self.step > self._saved_step:
             self.save()
+        record = record or self._last_train_record()  # finishing a run stopped after its save
         metrics = {"step": self.step, **evals,
                    **{k: record[k] for k in ("loss", "train_top1", "images_per_s", "mfu",
-                                             "peak_mem_gib") if k in record},
+                                             "peak_mem_gib", "skipped_steps") if k in record},
                    "wall_s_this_process": wall, "model": cfg.model.name,
-                   "run_dir": str(self.run_dir)}
+                   "run_dir": str(self.run_dir), "total_steps": self.total_steps,
+                   "steps_per_epoch": self.loader.steps_per_epoch}
         if self.graphs is not None:
             metrics["graphs"] = self.graphs.stats()
         if d.rank == 0:
             path = self.run_dir / "metrics.json"
-            path.write_text(json.dumps(metrics, indent=2) + "\n")
+            tmp = path.with_name("metrics.json.partial")
+            tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+            os.replace(tmp, path)
             log.info("final metrics: %s", path.resolve())
         return metrics
+
+    def _stop_preempted(self) -> None:
+        """A stop signal reached a rank: every rank is here at the same step. Save and leave."""
+        if self.step > self._saved_step:
+            self.save()
+        log.warning("%s received: stopped after step %d/%d with checkpoint step_%06d saved; "
+                    "run the same command to resume", self.stops.received or "a stop signal "
+                    "(on another rank)", self.step, self.total_steps, self._saved_step)
+        raise Preempted(f"preempted after step {self.step}/{self.total_steps}; checkpoint "
+                        f"{self.ckpt_dir / f'step_{self._saved_step:06d}'} saved; run the same "
+                        f"command to resume")
+
+    def _last_train_record(self) -> dict:
+        path = self.run_dir / "log.jsonl"
+        if self.d.rank != 0 or not path.is_file():
+            return {}
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return next((r for r in reversed(records) if "loss" in r), {})
 
     def _graph_summary(self) -> str:
         if self.graphs is None:
@@ -390,6 +454,8 @@ class Trainer:
                 f"{fallbacks}, unseen shapes {s['unseen_shapes']})")
 
     def close(self, shutdown_dist: bool = True):
+        if self.stops is not None:
+            self.stops.close()
         if self.writer is not None:
             self.writer.close()
         if self.graphs is not None:
@@ -399,12 +465,63 @@ class Trainer:
 
 
 def train(cfg: Config) -> dict:
+    """Train ``cfg``'s run (resuming it if its folder holds one). Raises ConfigError before any
+    work when the folder holds a different run; returns the stored metrics of a finished run
+    without touching it."""
+    validate_machine(cfg)
+    try:
+        changes = check_run_dir(cfg)
+    except FinishedRun as done:
+        if is_rank0():
+            print(done, flush=True)
+        return done.metrics
+    trainer = None
+    stops = StopRequests().install()
     try:
         trainer = Trainer(cfg)
-    except BaseException:
-        shutdown()
-        raise
-    try:
+        trainer.stops = stops
+        for key, old, new in changes:
+            log.info("resuming with a changed setting: %s %r -> %r", key, old, new)
         return trainer.run()
+    except Preempted:
+        raise
+    except BaseException as e:
+        step = trainer.step if trainer is not None else None
+        _log_failure(cfg, step)
+        if isinstance(e, Exception) and not _users_input(e):
+            raise TrainingFailed(_summary(cfg, trainer, e)) from e
+        raise
     finally:
-        trainer.close()
+        stops.close()
+        if trainer is not None:
+            trainer.close()
+        else:
+            shutdown()
+
+
+def _users_input(e: Exception) -> bool:
+    """Errors the CLI reports as the user's input (exit 2) rather than a training failure."""
+    from vitgraph.config import ConfigError
+    from vitgraph.data import DataError
+    return isinstance(e, (ConfigError, DataError, checkpoint.NoIntactCheckpoint))
+
+
+def _log_failure(cfg: Config, step) -> None:
+    """Every failing rank appends its traceback to train.log; the terminal gets one line."""
+    path = cfg.run_dir / "train.log"
+    if not path.parent.is_dir():
+        return
+    where = f"at step {step}" if step is not None else "before training"
+    stamp = time.strftime("%H:%M:%S")
+    with open(path, "a") as f:
+        f.write(f"{stamp} ERROR rank {os.environ.get('RANK', '0')} failed {where}:\n"
+                f"{traceback.format_exc()}")
+
+
+def _summary(cfg: Config, trainer, e: Exception) -> str:
+    where = f"after step {trainer.step}" if trainer is not None else "before training"
+    resume = ""
+    if trainer is not None and trainer._saved_step >= 0:
+        resume = f"; the same command resumes from checkpoint step {trainer._saved_step}"
+    return (f"training failed {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            f" (traceback in {cfg.run_dir / 'train.log'}){resume}")

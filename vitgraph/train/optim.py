@@ -62,8 +62,8 @@ class CpuOptimizer:
         self._all_reduce([p.grad for p in self.params if p.grad is not None],
                          ps.get_data_parallel_group(), average=True)
         norm = cpu_shims.clip_grad_norm(self.params, self.clip, ps.get_model_parallel_group())
-        if not torch.isfinite(torch.tensor(norm)):
-            return False, norm, None
+        if not torch.isfinite(torch.tensor(norm)):  # a NaN/inf loss or gradient: skip the step,
+            return False, norm, None                # weights and AdamW state untouched
         self.optimizer.step()
         return True, norm, None
 
@@ -118,8 +118,11 @@ def build_optimizer(chunks: list, cfg: Config, cuda: bool):
     # the same no-decay set as the CPU path (megatron's default decays pos_embed / tokens)
     no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
         name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))
-    return get_megatron_optimizer(ocfg, chunks,
-                                  config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
+    optimizer = get_megatron_optimizer(
+        ocfg, chunks, config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
+    # megatron's bf16 optimizer steps on a NaN gradient norm: skip such steps instead
+    from vitgraph.train.health import skip_nonfinite_steps
+    return skip_nonfinite_steps(optimizer)
 
 
 def build_scheduler(optimizer, cfg: Config, total_steps: int) -> OptimizerParamScheduler:
