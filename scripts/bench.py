@@ -205,7 +205,12 @@ def provenance(args) -> dict:
         cudnn_te = attention_report()
     except Exception as e:  # report, never fail the benchmark on it
         cudnn_te = {"error": repr(e)}
+    import hashlib
+    tree = hashlib.sha256()  # the code measured, also where the device copy's git is stale
+    for f in sorted([*ROOT.glob("vitgraph/**/*.py"), *ROOT.glob("scripts/*.py")]):
+        tree.update(f.relative_to(ROOT).as_posix().encode() + f.read_bytes())
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "source_sha256": tree.hexdigest(),
             "command": " ".join([sys.executable, *sys.argv]), "git_commit": commit,
             "git_dirty": dirty,
             "gpu": torch.cuda.get_device_name(), "gpus": _world(), "host": platform.node(),

@@ -39,21 +39,20 @@ for s in "${steps[@]}"; do
          train.micro_batch_size=8 train.log_every=5 train.eval_every=0 checkpoint.every=25
          checkpoint.keep=5 optim.warmup_steps=5)
       tr() { local name=$1 n=$2; shift 2
-        timeout 150 torchrun --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000)) \
+        timeout 170 torchrun --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000)) \
           -m vitgraph train "${m[@]}" run.dir=/tmp/multi/$name "$@" > "$out/multi_$name.log" 2>&1
         echo "$name: exit $?" | tee -a "$out/summary.txt"; }
       tr one 1
       tr pp2 2 parallel.pp=2
       tr pp2_graphs 2 parallel.pp=2 graphs.enabled=true
-      tr pp2_vpp2_graphs 2 parallel.pp=2 parallel.vpp=2 graphs.enabled=true
       tr tp2_sp 2 parallel.tp=2 parallel.sequence_parallel=true
       tr dp2_distopt 2 parallel.distributed_optimizer=true
       # the pp=2 run, rolled back to its step-25 checkpoint, resumes at dp=2
       rm -rf /tmp/multi/pp2/checkpoints/step_000050 /tmp/multi/pp2/metrics.json
-      echo step_000025 > /tmp/multi/pp2/checkpoints/latest
       mv /tmp/multi/pp2/log.jsonl /tmp/multi/pp2_first.jsonl
       tr pp2 2 parallel.distributed_optimizer=true
       mv /tmp/multi/pp2/log.jsonl /tmp/multi/pp2_resumed_dp2.jsonl
+      tr pp2_vpp2_graphs 2 parallel.pp=2 parallel.vpp=2 graphs.enabled=true
       d=/tmp/multi
       python scripts/compare_curves.py $d/one/log.jsonl $d/pp2_first.jsonl $d/pp2_graphs/log.jsonl \
         $d/pp2_vpp2_graphs/log.jsonl $d/tp2_sp/log.jsonl $d/dp2_distopt/log.jsonl \

@@ -24,7 +24,7 @@ dist1 = world_of_one("torch")
 def build(d, *over, num_classes=10):
     from vitgraph.parallel.setup import build_model
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
-    model = build_model(cfg, d, num_classes)
+    model = build_model(cfg, d, num_classes)[0]
     model.eval()
     return model
 

@@ -2,6 +2,7 @@
 process for the same seed, with and without the graph manager (rerun backend), and a
 checkpoint saved at one layout resumes at another on the same curve."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -90,3 +91,37 @@ def test_checkpoint_resumes_at_another_layout(tmp_path, env, reference):
     got = torchrun(env, 2, run_dir, "parallel.tp=2", "parallel.sequence_parallel=true")
     assert min(got) == 6
     assert_same_curve(got, reference, steps=list(range(6, STEPS + 1)))
+
+
+@pytest.mark.multiproc
+def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path, env):
+    """Rank 1 frozen (SIGSTOP) mid-run: rank 0's next collective times out after
+    parallel.timeout_minutes, the failure names the rank and the operation, and torchrun stops
+    the frozen rank: the run ends instead of hanging."""
+    import os
+    import signal
+    import time
+    from test_reliability import _children, _wait_for_steps
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "vitgraph", "train", DEFAULT,
+           *tiny_overrides(run_dir, steps=300, **{"train.log_every": 1}), *BATCH,
+           "parallel.timeout_minutes=0.1"]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(cmd, env=dict(env, OMP_NUM_THREADS="1"), stdout=out, stderr=err)
+        try:
+            _wait_for_steps(proc, run_dir, 3)
+            workers = _children(proc.pid)
+            assert len(workers) == 2
+            stopped_at = time.time()
+            os.kill(workers[1], signal.SIGSTOP)
+            proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode != 0
+    assert time.time() - stopped_at < 240  # parallel.timeout_minutes=0.1 (6 s) + teardown
+    text = (tmp_path / "err").read_text() + (tmp_path / "out").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "rank 0" in log and re.search(r"timed out|timeout", log, re.I), log[-3000:] + text[-3000:]

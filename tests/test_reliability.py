@@ -30,6 +30,38 @@ ONE = Dist(rank=0, world=1, local_rank=0, device=torch.device("cpu"), tp=1, pp=1
            tp_rank=0, pp_rank=0, dp_rank=0)
 
 
+@pytest.fixture
+def world():
+    """A gloo world of one for checkpoint.save / load called directly (dist_checkpointing
+    needs a process group); in-process training runs tear theirs down, so made per test."""
+    import torch.distributed as dist
+    from vitgraph.parallel import cpu_shims
+    cpu_shims.install()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+    yield ONE
+    dist.destroy_process_group()
+
+
+def payload_file(step_dir: Path) -> Path:
+    """The largest file of a checkpoint's payload (a dist_checkpointing shard)."""
+    return max((p for p in (step_dir / "dist").iterdir() if p.is_file()),
+               key=lambda p: p.stat().st_size)
+
+
+def tensors(step_dir: Path) -> dict:
+    """Every tensor of a checkpoint (model and optimizer state) by its global key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = dcp.FileSystemReader(str(step_dir / "dist"))
+    meta = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+           if isinstance(m, TensorStorageMetadata)}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
 def read_log(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
 
@@ -141,14 +173,16 @@ def _state(v: float) -> dict:
             "loader": {}}
 
 
-def test_manifest_lists_every_file_and_verify_names_the_damage(tmp_path):
-    path = checkpoint.save(tmp_path, 5, ONE, _state(1.0), keep=3)
+def test_manifest_lists_every_file_and_verify_names_the_damage(tmp_path, world):
+    path = checkpoint.save(tmp_path, 5, world, _state(1.0), keep=3)
     (path / "sub").mkdir()  # a payload writer may use sub-folders: covered too
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"mp_rank_00_000.pt", "rng_rank_00000.pt"}
-    assert all(m["size"] > 0 and len(m["sha256"]) == 64 for m in manifest["files"].values())
+    files = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == files
+    assert {"rng_rank_00000.pt", "dist/common.pt"} <= files  # sub-folders (dist/) covered
+    assert all(len(m["sha256"]) == 64 for m in manifest["files"].values())
     assert checkpoint.verify(path) == []
-    model = path / "mp_rank_00_000.pt"
+    model = path / "dist" / "common.pt"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped bit, same size
     model.write_bytes(bytes(data))
@@ -163,22 +197,22 @@ def test_manifest_lists_every_file_and_verify_names_the_damage(tmp_path):
     assert "manifest.json: missing" in checkpoint.verify(path)[0]
 
 
-def test_prune_keeps_intact_checkpoints_over_damaged_ones(tmp_path):
+def test_prune_keeps_intact_checkpoints_over_damaged_ones(tmp_path, world):
     for step in (5, 10, 15):
-        checkpoint.save(tmp_path, step, ONE, _state(step), keep=10)
-    (tmp_path / "step_000010" / "mp_rank_00_000.pt").write_bytes(b"")
+        checkpoint.save(tmp_path, step, world, _state(step), keep=10)
+    (tmp_path / "step_000010" / "dist" / "common.pt").write_bytes(b"")
     (tmp_path / "step_000015" / "manifest.json").unlink()
-    checkpoint.save(tmp_path, 20, ONE, _state(20), keep=2)
+    checkpoint.save(tmp_path, 20, world, _state(20), keep=2)
     # the newest intact one before step 20 is step 5: kept; the damaged ones go
     assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000005", "step_000020"]
-    checkpoint.save(tmp_path, 25, ONE, _state(25), keep=1)
+    checkpoint.save(tmp_path, 25, world, _state(25), keep=1)
     assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step_000025"]
     assert (tmp_path / "latest").read_text().strip() == "step_000025"
 
 
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EACCES], ids=["disk-full", "unwritable"])
-def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, error):
-    checkpoint.save(tmp_path, 5, ONE, _state(5.0), keep=1)
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, error, world):
+    checkpoint.save(tmp_path, 5, world, _state(5.0), keep=1)
     real_save = checkpoint._save
 
     def fail_halfway(obj, path):
@@ -189,13 +223,13 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
 
     monkeypatch.setattr(checkpoint, "_save", fail_halfway)
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.save(tmp_path, 10, ONE, _state(10.0), keep=1)
+        checkpoint.save(tmp_path, 10, world, _state(10.0), keep=1)
     msg = str(e.value)
     assert os.strerror(error) in msg and "step_000010.tmp" in msg and "step_000005" in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000005"]
     assert checkpoint.verify(tmp_path / "step_000005") == []
-    assert checkpoint.find_resumable(tmp_path, ONE) == tmp_path / "step_000005"
-    state = checkpoint.load(tmp_path / "step_000005", ONE)
+    assert checkpoint.find_resumable(tmp_path, world) == tmp_path / "step_000005"
+    state = checkpoint.load(tmp_path / "step_000005", world, {})
     assert torch.equal(state["model"]["w"], torch.full((64,), 5.0))
 
 
@@ -205,7 +239,7 @@ def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(tmp_path,
     assert train_here(capsys, run_dir, steps=12, **over)[0] == 0
     ckpt = run_dir / "checkpoints"
     (run_dir / "metrics.json").unlink()  # as if stopped right after its last save
-    model = ckpt / "step_000012" / "mp_rank_00_000.pt"
+    model = payload_file(ckpt / "step_000012")
     model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])  # cut in half
     rng = ckpt / "step_000008" / "rng_rank_00000.pt"
     rng.write_bytes(b"")  # an empty RNG file
@@ -316,19 +350,18 @@ def test_nan_steps_are_skipped_without_touching_weights_or_optimizer(tmp_path, c
     assert [log[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 0, 1, 2, 2, 2, 2]
     assert log[4]["loss"] is None and log[6]["loss"] > 0  # NaN kept out of the logged means
     ckpt = run_dir / "checkpoints"
-    a = torch.load(ckpt / "step_000003" / "mp_rank_00_000.pt", weights_only=False)
-    b = torch.load(ckpt / "step_000005" / "mp_rank_00_000.pt", weights_only=False)
-    c = torch.load(ckpt / "step_000006" / "mp_rank_00_000.pt", weights_only=False)
-    weights = [k for k, v in a["model"].items() if torch.is_tensor(v)]
-    for k in weights:
-        assert torch.equal(a["model"][k], b["model"][k]), k  # skipped: untouched
-    assert any(not torch.equal(a["model"][k], c["model"][k]) for k in weights)  # trained
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for p in sa:
-        for k in sa[p]:  # moments and the step count
-            assert torch.equal(torch.as_tensor(sa[p][k]), torch.as_tensor(sb[p][k])), (p, k)
-    assert a["scheduler"] == b["scheduler"]
+    a, b, c = (tensors(ckpt / f"step_{s:06d}") for s in (3, 5, 6))
+    weights = [k for k in a if not k.startswith("optimizer.")]
+    moments = [k for k in a if k.startswith("optimizer.state.")]
+    assert weights and moments and a.keys() == b.keys()
+    for k in weights + moments:
+        assert torch.equal(a[k], b[k]), k  # skipped: weights and Adam moments untouched
+    assert any(not torch.equal(a[k], c[k]) for k in weights)  # trained
+    common = [torch.load(ckpt / f"step_{s:06d}" / "dist" / "common.pt", weights_only=False)
+              for s in (3, 5, 6)]
+    # AdamW's step count: skipped steps do not count; nor does the LR schedule move
+    assert [x["optimizer"]["steps_taken"] for x in common] == [3, 3, 4]
+    assert common[0]["scheduler"] == common[1]["scheduler"] != common[2]["scheduler"]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["skipped_steps"] == 2 and metrics["eval_loss"] == metrics["eval_loss"]
 
@@ -386,8 +419,7 @@ def test_too_many_bad_steps_in_a_row_stop_and_keep_the_last_good_checkpoint(tmp_
     ckpt = run_dir / "checkpoints"
     assert [p.name for p in checkpoint.step_dirs(ckpt)] == ["step_000004"]
     assert checkpoint.verify(ckpt / "step_000004") == []
-    state = torch.load(ckpt / "step_000004" / "mp_rank_00_000.pt", weights_only=False)
-    assert all(torch.isfinite(v).all() for v in state["model"].values() if torch.is_tensor(v))
+    assert all(torch.isfinite(v).all() for v in tensors(ckpt / "step_000004").values())
     assert not (run_dir / "metrics.json").exists()
 
 

@@ -42,6 +42,8 @@ def read_checkpoint_weights(run_dir: str | Path, checkpoint: str | int | None = 
     """(full state dict with global layer numbers, step, step directory)."""
     path = checkpoint_dir(run_dir, checkpoint)
     sd, step = read_dist_weights(path / "dist")
+    if not sd:
+        raise ConvertError(f"{path / 'dist'}: holds no model tensors")
     return sd, step, path
 
 
@@ -55,9 +57,8 @@ def read_dist_weights(dist_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
     meta = reader.read_metadata().state_dict_metadata
     stacked = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
                if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
-    if not stacked:
-        raise ConvertError(f"{dist_dir}: holds no model tensors")
-    dcp.load(stacked, storage_reader=reader, no_dist=True)
+    if stacked:
+        dcp.load(stacked, storage_reader=reader, no_dist=True)
     out = {}
     for name, t in stacked.items():
         if name.startswith(_LAYERS):  # [layers, ...] -> one entry per global layer

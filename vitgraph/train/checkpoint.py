@@ -77,7 +77,8 @@ def write_payload(directory: Path, d: Dist, sharded_state: dict, step: int) -> N
     if d.rank == 0:
         from vitgraph.convert import read_dist_weights, save_safetensors
         weights, _ = read_dist_weights(directory / "dist")
-        save_safetensors(weights, directory / "model.safetensors", metadata={"step": step})
+        if weights:
+            save_safetensors(weights, directory / "model.safetensors", metadata={"step": step})
 
 
 def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
