@@ -5,6 +5,10 @@
 #   multi (2 GPUs): pp=2 1F1B eager and with graphs, pp=2 interleaved (vpp 2) with graphs, tp=2
 #   with sequence parallel, dp=2 with the distributed optimizer, each against the one-GPU curve
 #   (ViT-B/16, 8 microbatches of 8 a step); then the pp=2 run resumes at dp=2 from step 25.
+#   resume-optim (1 GPU): saved with the distributed optimizer, resumed without it.
+#   fp8-curve (1 GPU): ViT-B/16, 500 steps on the embedded data, bf16 against fp8 (current).
+#   loop-rate (1 GPU): ViT-L/16 at micro-batch 256 through `vitgraph train` on the embedded data
+#   (the input pipeline included), to hold against bench.py's step rate.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}; mkdir -p "$out"
@@ -60,6 +64,29 @@ for s in "${steps[@]}"; do
       # graphs equal eager (same layout): far tighter than the bf16 layout tolerance
       python scripts/compare_curves.py $d/pp2_first.jsonl $d/pp2_graphs/log.jsonl --rtol 2e-3 \
         2>&1 | tail -3 | tee -a "$out/multi_curves.txt" ;;
+    resume-optim)
+      r=("${b16[@]}" data.num_train=4000 train.steps=30 train.global_batch_size=64
+         train.micro_batch_size=64 train.log_every=3 train.eval_every=0 checkpoint.every=15
+         checkpoint.keep=5 optim.warmup_steps=3)
+      timeout 120 python -m vitgraph train "${r[@]}" run.dir=/tmp/ro > "$out/resume_first.log" 2>&1
+      rm -rf /tmp/ro/checkpoints/step_000030 /tmp/ro/metrics.json; mv /tmp/ro/log.jsonl /tmp/ro_first.jsonl
+      timeout 120 python -m vitgraph train "${r[@]}" run.dir=/tmp/ro parallel.distributed_optimizer=false \
+        > "$out/resume_second.log" 2>&1
+      python scripts/compare_curves.py /tmp/ro_first.jsonl /tmp/ro/log.jsonl 2>&1 | tee "$out/resume_curves.txt" ;;
+    fp8-curve)
+      f=("${b16[@]}" data.num_train=20000 train.steps=500 train.global_batch_size=128
+         train.micro_batch_size=128 train.log_every=25 train.eval_every=0 optim.warmup_steps=50
+         optim.lr=5e-4 checkpoint.every=0)
+      timeout 150 python -m vitgraph train "${f[@]}" run.dir=/tmp/bf16 > "$out/curve_bf16.log" 2>&1
+      timeout 150 python -m vitgraph train "${f[@]}" run.dir=/tmp/fp8 train.precision=fp8 > "$out/curve_fp8.log" 2>&1
+      python scripts/compare_curves.py /tmp/bf16/log.jsonl /tmp/fp8/log.jsonl --rtol 0.02 2>&1 | tee "$out/fp8_curve.txt" ;;
+    loop-rate)
+      timeout 150 python -m vitgraph train configs/vit-l16-imagefolder.yaml data.kind=shapes \
+        data.render_size=32 data.num_train=12800 data.num_val=256 data.workers=8 train.steps=50 \
+        train.global_batch_size=256 train.micro_batch_size=256 train.log_every=10 train.eval_every=0 \
+        checkpoint.every=0 train.progress=false run.dir=/tmp/loop \
+        model.num_classes=10 data.augment.enabled=false > "$out/loop_rate.log" 2>&1
+      grep "img/s" "$out/loop_rate.log" | tail -4 ;;
     bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
   esac
 done
