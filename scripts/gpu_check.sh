@@ -85,7 +85,7 @@ for s in "${steps[@]}"; do
         data.render_size=32 data.num_train=12800 data.num_val=256 data.workers=8 train.steps=50 \
         train.global_batch_size=256 train.micro_batch_size=256 train.log_every=10 train.eval_every=0 \
         checkpoint.every=0 train.progress=false run.dir=/tmp/loop \
-        model.num_classes=10 data.augment.enabled=false > "$out/loop_rate.log" 2>&1
+        model.num_classes=10 data.augment.enabled=false parallel.tp=1 > "$out/loop_rate.log" 2>&1
       grep "img/s" "$out/loop_rate.log" | tail -4 ;;
     bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
   esac
