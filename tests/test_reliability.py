@@ -131,6 +131,7 @@ def _existing_run(tmp_path, *overrides):
     (["data.kind=imagefolder", "data.path={tmp}"], ["data.kind", "data.path"]),
     (["train.global_batch_size=64", "train.seed=1"], ["train.global_batch_size", "train.seed"]),
     (["optim.lr=0.5"], ["optim.lr"]),
+    (["parallel.distributed_optimizer=false"], ["parallel.distributed_optimizer"]),
 ])
 def test_resuming_another_setup_exits_2_naming_each_key(tmp_path, change, keys, capsys):
     run_dir = _existing_run(tmp_path)
