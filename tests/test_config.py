@@ -47,6 +47,29 @@ def test_config_errors_exit_2_and_name_the_key(overrides, key, capsys):
     assert str(DEFAULT) in err or "override" in err
 
 
+@pytest.mark.parametrize("overrides,key,why", [
+    # 4 layers over pp 2 x vpp 4 virtual stages
+    (["parallel.pp=2", "parallel.vpp=4"], "parallel.pp", "parallel.pp x parallel.vpp = 2 x 4"),
+    (["parallel.vpp=2"], "parallel.vpp", "need parallel.pp > 1"),
+    (["parallel.tp=2", "model.num_heads=3", "model.hidden_size=66"], "parallel.tp",
+     "num_heads=3 is not divisible"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs parallel.tp > 1"),
+    # 32 / 16 = 2 microbatches, interleaving over 4 stages needs a multiple of 4
+    (["parallel.pp=4", "parallel.vpp=1", "model.num_layers=8", "parallel.vpp=2",
+      "train.micro_batch_size=16"], "train.global_batch_size", "multiple of parallel.pp=4"),
+    (["train.precision=fp8", "model.spec=torch"], "train.precision", "Transformer Engine"),
+    (["train.precision=fp8", "graphs.enabled=true"], "graphs.impl", "graphs.impl=te"),
+    (["train.fp8_recipe=hybrid"], "train.fp8_recipe", "current, delayed, mxfp8"),
+    (["parallel.timeout_minutes=0"], "parallel.timeout_minutes", "positive"),
+])
+def test_impossible_layouts_and_precisions_exit_2(monkeypatch, capsys, overrides, key, why):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert main(["train", str(DEFAULT), "train.global_batch_size=32",
+                 "train.micro_batch_size=4", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert key in err and why in err, err
+
+
 def test_unknown_key_suggests_the_closest(capsys):
     assert main(["train", str(DEFAULT), "optim.learning_rate=1"]) == 2
     assert main(["train", str(DEFAULT), "trian.steps=1"]) == 2
