@@ -18,7 +18,10 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 spec="."
 [ "$extra" = test ] && spec=".[test]"
-"${pip[@]}" -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
+# keep the torch installed above: without the pin, a dependency's newest release (timm ->
+# torchvision) asks for a newer torch, and pip replaces the CPU build by a multi-GB CUDA one
+torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+"${pip[@]}" -c <(echo "torch==$torch_version") -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
 # timm (test extra) pulls torchvision, whose PyPI wheel is built for CUDA torch: against the CPU
 # torch it cannot even be imported, and half-installed it confuses transformers. Remove it
 # there; the tests import timm with a stand-in (tests/conftest.py: import_timm).

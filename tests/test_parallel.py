@@ -110,6 +110,7 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path, env):
            "parallel.timeout_minutes=0.1"]
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen(cmd, env=dict(env, OMP_NUM_THREADS="1"), stdout=out, stderr=err)
+        workers = []
         try:
             _wait_for_steps(proc, run_dir, 3)
             workers = _children(proc.pid)
@@ -120,6 +121,11 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path, env):
         finally:
             if proc.poll() is None:
                 proc.kill()
+            for pid in workers:  # a stopped worker outlives its launcher otherwise
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     assert proc.returncode != 0
     assert time.time() - stopped_at < 240  # parallel.timeout_minutes=0.1 (6 s) + teardown
     text = (tmp_path / "err").read_text() + (tmp_path / "out").read_text()
