@@ -1,0 +1,186 @@
+"""CLIP towers on megatron-core with the torch spec, on CPU (single-process gloo world)."""
+import math
+
+import pytest
+import torch
+
+from vitgraph.config import load_config
+from vitgraph.models.registry import CLIP_MODELS, get_clip_arch
+from vitgraph.text.tokenizer import ByteTokenizer
+
+from conftest import ROOT, world_of_one
+
+dist1 = world_of_one("torch")
+
+
+def base_config(d, *over):
+    from vitgraph.parallel.setup import transformer_config
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
+    return transformer_config(cfg, d)
+
+
+def tiny(d, seed=0, **kw):
+    from vitgraph.models.clip import build_clip
+    return build_clip("clip_tiny_patch4_32", base_config(d), "torch", seed=seed, **kw)
+
+
+def tokens(texts, context=112):
+    return ByteTokenizer(context)(texts)
+
+
+def test_forward_backward_shapes_and_normalised(dist1):
+    model = tiny(dist1)
+    imgs = torch.randn(3, 3, 32, 32)
+    toks = tokens(["a red star", "a small blue circle on a white background", "x"])
+    img, txt, scale = model(imgs, toks)
+    assert img.shape == txt.shape == (3, 64)
+    assert torch.allclose(img.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert torch.allclose(txt.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert scale.item() == pytest.approx(1 / 0.07, rel=1e-5)
+    (scale * img @ txt.T).logsumexp(dim=-1).sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
+    assert model.text.token_embed.weight.grad.abs().sum() > 0
+    assert model.logit_scale.grad is not None and model.logit_scale.grad != 0
+
+
+def test_image_tower_is_the_vit_with_ln_pre_and_projection(dist1):
+    from vitgraph.models.vit import ViT
+    model = tiny(dist1)
+    v = model.visual
+    assert type(v) is ViT
+    names = {n for n, _ in model.named_parameters()}
+    for n in ("visual.ln_pre.weight", "visual.proj.weight", "visual.final_norm.weight",
+              "visual.cls_token", "text.token_embed.weight", "text.pos_embed",
+              "text.decoder.layers.0.self_attention.linear_qkv.weight", "text.final_norm.bias",
+              "text.proj.weight", "logit_scale"):
+        assert n in names, n
+    assert "visual.head.weight" not in names and "visual.patch_embed.bias" not in names
+    assert "logit_bias" not in names
+    # QuickGELU reaches the layers' MLPs through the TransformerConfig
+    import dataclasses
+    from vitgraph.models.clip import build_clip, quick_gelu
+    assert v.decoder.layers[0].mlp.activation_func is not quick_gelu
+    arch = dataclasses.replace(get_clip_arch("clip_tiny_patch4_32"), quick_gelu=True)
+    quick = build_clip(arch, base_config(dist1), "torch")
+    for tower in (quick.visual, quick.text):
+        assert all(layer.mlp.activation_func is quick_gelu for layer in tower.decoder.layers)
+    x = torch.linspace(-3, 3, 7)
+    assert torch.allclose(quick_gelu(x), x * torch.sigmoid(1.702 * x))
+
+
+def test_ln_pre_normalises_the_embedded_tokens(dist1):
+    model = tiny(dist1)
+    with torch.no_grad():
+        tok = model.visual.embed(torch.randn(2, 3, 32, 32))[1:]  # [s, b, d]: patch tokens
+    assert torch.allclose(tok.mean(-1), torch.zeros(tok.shape[:2]), atol=1e-5)
+    assert torch.allclose(tok.var(-1, unbiased=False), torch.ones(tok.shape[:2]), atol=1e-3)
+
+
+def test_classifier_defaults_unchanged(dist1):
+    from vitgraph.parallel.setup import build_model
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
+    model = build_model(cfg, dist1, 10)[0]
+    names = {n for n, _ in model.named_parameters()}
+    assert "head.weight" in names and "patch_embed.bias" in names
+    assert not any(n.startswith(("ln_pre", "proj")) for n in names)
+
+
+def test_text_tower_is_causal_and_pools_at_end_of_text(dist1):
+    model = tiny(dist1).eval()
+    toks = tokens(["a red star on a green background"])
+    eot = int(toks.argmax())
+    with torch.no_grad():
+        ref = model.encode_text(toks)
+        later = toks.clone()
+        later[0, eot + 1:] = 100  # tokens after the end of text: invisible under a causal mask
+        assert torch.allclose(model.encode_text(later), ref, atol=1e-6)
+        earlier = toks.clone()
+        earlier[0, 3] = 120  # a token before the end of text changes the features
+        assert not torch.allclose(model.encode_text(earlier), ref, atol=1e-4)
+
+
+def test_causal_torch_attention_matches_explicit_mask():
+    from megatron.core.transformer.enums import AttnMaskType
+    from vitgraph.models.specs import SDPAttention
+    cfg = type("C", (), {"attention_dropout": 0.0})()
+    q, k, v = (torch.randn(5, 2, 3, 4) for _ in range(3))  # [s, b, heads, d]
+    attn = SDPAttention.__new__(SDPAttention)
+    torch.nn.Module.__init__(attn)
+    attn.dropout, attn.softmax_scale, attn.causal = 0.0, None, True
+    got = attn(q, k, v)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / 2.0
+    scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    want = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).reshape(5, 2, 12)
+    assert torch.allclose(got, want, atol=1e-5)
+    # with a key-padding mask as well, both apply
+    pad = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
+    pad[..., 1] = True
+    got2 = attn(q, k, v, attention_mask=pad)
+    scores2 = scores.masked_fill(pad, float("-inf"))
+    scores2[..., 0, :] = scores[..., 0, :]  # query 0 sees only key 0: keep it unmasked
+    want2 = torch.einsum("bhst,tbhd->sbhd", scores2.softmax(-1), v).reshape(5, 2, 12)
+    assert torch.allclose(got2[1:], want2[1:], atol=1e-5)
+    assert AttnMaskType.causal and cfg  # names used
+
+
+def test_layer_spec_mask_types():
+    from megatron.core.transformer.enums import AttnMaskType
+    from vitgraph.models.specs import get_layer_spec
+    mask = lambda **kw: get_layer_spec("torch", **kw).submodules.self_attention.params["attn_mask_type"]  # noqa: E731
+    assert mask() == AttnMaskType.no_mask
+    assert mask(causal=True) == AttnMaskType.causal
+    assert mask(padding_mask=True) == AttnMaskType.padding
+    assert mask(padding_mask=True, causal=True) == AttnMaskType.padding_causal
+
+
+def test_weights_depend_only_on_the_seed(dist1):
+    a, b, c = tiny(dist1, seed=3), tiny(dist1, seed=3), tiny(dist1, seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+    assert not torch.equal(sa["text.proj.weight"], sc["text.proj.weight"])
+    # towers are seeded under their own names: same-shaped parameters differ between them
+    assert not torch.equal(sa["visual.decoder.layers.0.self_attention.linear_qkv.weight"],
+                           sa["text.decoder.layers.0.self_attention.linear_qkv.weight"])
+    assert a.text.proj.weight.std().item() == pytest.approx(64 ** -0.5, rel=0.1)
+    assert torch.equal(sa["visual.ln_pre.weight"], torch.ones(64))
+
+
+def test_logit_scale_clamp_and_sigmoid_bias(dist1):
+    from vitgraph.models.clip import MAX_LOGIT_SCALE
+    model = tiny(dist1, init_logit_bias=-10.0)
+    out = model(torch.randn(2, 3, 32, 32), tokens(["a", "b"]))
+    assert len(out) == 4 and out[3].item() == -10.0
+    with torch.no_grad():
+        model.logit_scale.fill_(7.0)
+    model.clamp_logit_scale_()
+    assert model.logit_scale.item() == pytest.approx(MAX_LOGIT_SCALE)
+    assert model(torch.randn(1, 3, 32, 32), tokens(["a"]))[2].item() == pytest.approx(100.0, rel=1e-5)
+
+
+def test_context_length_from_the_caller(dist1):
+    model = tiny(dist1, context_length=16)
+    assert model.text.pos_embed.shape == (16, 64)
+    with pytest.raises(ValueError, match="context length"):
+        model.encode_text(tokens(["a"], context=17))
+
+
+def test_registry_pairs():
+    assert set(CLIP_MODELS) >= {"clip_vit_b16", "clip_vit_l14", "clip_vit_l14_336",
+                                "siglip_vit_b16", "clip_tiny_patch4_32"}
+    b16, l14, l336 = (get_clip_arch(n) for n in ("clip_vit_b16", "clip_vit_l14", "clip_vit_l14_336"))
+    assert (b16.embed_dim, b16.vision.hidden_size, b16.text.hidden_size) == (512, 768, 512)
+    assert (l14.embed_dim, l14.vision.patch_size, l14.vision.image_size) == (768, 14, 224)
+    assert l336.vision.image_size == 336 and l336.vision.num_patches() == 576
+    assert b16.text.context_length == 77 and b16.text.vocab_size == 49408
+    s = get_clip_arch("siglip_vit_b16")
+    assert not s.class_token and s.init_logit_bias == -10.0 and not s.text.causal
+    assert s.init_logit_scale == pytest.approx(math.log(10))
+    with pytest.raises(KeyError, match="clip_vit_b16"):
+        get_clip_arch("clip_nope")
+
+
+def test_siglip_image_tower_not_built_yet(dist1):
+    from vitgraph.models.clip import build_clip
+    with pytest.raises(NotImplementedError, match="attention-pooling"):
+        build_clip("siglip_vit_b16", base_config(dist1), "torch")
