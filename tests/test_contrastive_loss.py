@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 
-from conftest import free_port
 
 
 def reference_clip(img, txt, scale):
@@ -58,6 +57,7 @@ def test_siglip_loss_one_process():
 
 
 def _worker(rank, world, init_file, out_dir):
+    """One data-parallel rank of ``world``: loss and gradients equal the full-batch ones."""
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"file://{init_file}")
@@ -70,7 +70,7 @@ def _worker(rank, world, init_file, out_dir):
         return (torch.nn.Linear(5, 4), torch.nn.Linear(7, 4),
                 torch.nn.Parameter(torch.tensor(2.5)), torch.nn.Parameter(torch.tensor(-3.0)))
 
-    for kind in ("clip", "siglip"):
+    for kind in ("clip", "siglip", "siglip-all-gather"):
         # one process, the full batch: the reference, written without the library's gather
         wi, wt, s, bias = make()
         img, txt = F.normalize(wi(x_img), dim=-1), F.normalize(wt(x_txt), dim=-1)
@@ -84,8 +84,11 @@ def _worker(rank, world, init_file, out_dir):
         wi, wt, s, bias = make()
         sl = slice(rank * b, (rank + 1) * b)
         img, txt = F.normalize(wi(x_img[sl]), dim=-1), F.normalize(wt(x_txt[sl]), dim=-1)
-        loss = (clip_loss(img, txt, s.exp()) if kind == "clip"
-                else siglip_loss(img, txt, s.exp(), bias))
+        if kind == "clip":
+            loss = clip_loss(img, txt, s.exp())
+        else:
+            exchange = "all_gather" if kind == "siglip-all-gather" else "ring"
+            loss = siglip_loss(img, txt, s.exp(), bias, exchange=exchange)
         loss.backward()
         params = [p for p in (*wi.parameters(), *wt.parameters(), s, bias) if p.grad is not None]
         assert len(params) == len(ref_grads), kind
@@ -104,8 +107,10 @@ def _worker(rank, world, init_file, out_dir):
 
 
 @pytest.mark.multiproc
-def test_dp2_matches_one_process_on_the_full_batch(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_matches_one_process_on_the_full_batch(tmp_path, world):
+    """dp=2, and dp=4 (the ring then has more than one hop)."""
     import torch.multiprocessing as mp
-    free_port()  # (file rendezvous: no port needed; keeps conftest import used)
-    mp.spawn(_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=2, join=True)
-    assert (tmp_path / "ok0.pt").exists() and (tmp_path / "ok1.pt").exists()
+    mp.spawn(_worker, args=(world, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=world,
+             join=True)
+    assert all((tmp_path / f"ok{r}.pt").exists() for r in range(world))

@@ -11,9 +11,12 @@ full-batch loss, and the data-parallel mean of the parameter gradients (what meg
 - ``clip_loss``: InfoNCE in both directions with the logit scale (open_clip's ClipLoss with
   local loss and gradient-carrying gather);
 - ``siglip_loss``: the sigmoid loss with a learnable bias, summed over every image–text pair
-  and divided by the local batch (SigLIP's normalisation). The negatives are exchanged with
-  one all-gather of the text features, not yet in chunks around a ring as in the SigLIP paper;
-  the result is the same, the memory is that of the all-gather (B_global x b_local logits).
+  and divided by the local batch (SigLIP's normalisation). Its negatives are exchanged in
+  chunks (``exchange="ring"``, the default, as the SigLIP paper and open_clip): for each
+  k = 1 .. world-1 a rank sends its text features to rank + k and scores its images against
+  those from rank - k, one b_local x b_local block at a time; the backward sends each block's
+  text gradient back to its owner. ``exchange="all_gather"`` gathers every text feature at
+  once instead; both give the same loss and gradients.
 """
 from __future__ import annotations
 
@@ -54,6 +57,34 @@ class _GatherWithGrad(torch.autograd.Function):
         return total[ctx.rank * n: (ctx.rank + 1) * n], None
 
 
+def _peer(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _shift(x: torch.Tensor, k: int, group) -> torch.Tensor:
+    """Send ``x`` to group rank + k, return what rank - k sent (modulo the group size)."""
+    rank, world = _world(group)
+    out = torch.empty_like(x)
+    reqs = [dist.isend(x.contiguous(), _peer(group, (rank + k) % world), group=group),
+            dist.irecv(out, _peer(group, (rank - k) % world), group=group)]
+    for r in reqs:
+        r.wait()
+    return out
+
+
+class _ShiftWithGrad(torch.autograd.Function):
+    """``_shift`` whose backward returns the gradient to the rank the tensor came from."""
+
+    @staticmethod
+    def forward(ctx, x, k, group):
+        ctx.k, ctx.group = k, group
+        return _shift(x, k, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad, -ctx.k, ctx.group), None, None
+
+
 def gather_features(x: torch.Tensor, group=None) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0 in rank order; gradient flows back to each
     rank's own slice. Without a process group (or a group of one) ``x`` itself."""
@@ -75,15 +106,30 @@ def clip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor
     return (F.cross_entropy(per_image, labels) + F.cross_entropy(per_text, labels)) / 2
 
 
+def _sigmoid_block(image, text, logit_scale, logit_bias, positives_at: int | None):
+    """-sum log sigmoid(+-logits) of one block; ``positives_at``: the column offset of the
+    matching pairs in ``text`` (None: every pair is a negative)."""
+    logits = logit_scale * image @ text.T + logit_bias
+    signs = -torch.ones_like(logits)
+    if positives_at is not None:
+        rows = torch.arange(image.shape[0], device=image.device)
+        signs[rows, rows + positives_at] = 1.0
+    return -F.logsigmoid(signs * logits).sum()
+
+
 def siglip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor,
-                logit_bias: torch.Tensor, group=None) -> torch.Tensor:
+                logit_bias: torch.Tensor, group=None, exchange: str = "ring") -> torch.Tensor:
     """Sigmoid loss: every (image, text) pair of the global batch is a binary problem, the
     matching pairs positive; summed over this rank's images and divided by their number."""
-    rank, _ = _world(group)
-    all_text = gather_features(text, group)
+    rank, world = _world(group)
     b = image.shape[0]
-    logits = logit_scale * image @ all_text.T + logit_bias
-    signs = -torch.ones_like(logits)
-    rows = torch.arange(b, device=image.device)
-    signs[rows, rows + rank * b] = 1.0
-    return -F.logsigmoid(signs * logits).sum() / b
+    if exchange == "all_gather" or world == 1:
+        return _sigmoid_block(image, gather_features(text, group), logit_scale, logit_bias,
+                              positives_at=rank * b) / b
+    if exchange != "ring":
+        raise ValueError(f"exchange={exchange!r}: ring | all_gather")
+    total = _sigmoid_block(image, text, logit_scale, logit_bias, positives_at=0)
+    for k in range(1, world):
+        others = _ShiftWithGrad.apply(text, k, group)
+        total = total + _sigmoid_block(image, others, logit_scale, logit_bias, None)
+    return total / b
