@@ -61,7 +61,7 @@ def test_image_tower_is_the_vit_with_ln_pre_and_projection(dist1):
     import dataclasses
     from vitgraph.models.clip import build_clip, quick_gelu
     assert v.decoder.layers[0].mlp.activation_func is not quick_gelu
-    arch = dataclasses.replace(get_clip_arch("clip_tiny_patch4_32"), quick_gelu=True)
+    arch = dataclasses.replace(get_clip_arch("clip_tiny_patch4_32"), activation="quick_gelu")
     quick = build_clip(arch, base_config(dist1), "torch")
     for tower in (quick.visual, quick.text):
         assert all(layer.mlp.activation_func is quick_gelu for layer in tower.decoder.layers)
@@ -175,15 +175,56 @@ def test_registry_pairs():
     assert b16.text.context_length == 77 and b16.text.vocab_size == 49408
     s = get_clip_arch("siglip_vit_b16")
     assert not s.class_token and s.init_logit_bias == -10.0 and not s.text.causal
+    assert s.vision_pool == "map" and s.embed_dim == s.vision.hidden_size == 768
     assert s.init_logit_scale == pytest.approx(math.log(10))
     with pytest.raises(KeyError, match="clip_vit_b16"):
         get_clip_arch("clip_nope")
 
 
-def test_siglip_image_tower_not_built_yet(dist1):
-    from vitgraph.models.clip import build_clip
-    with pytest.raises(NotImplementedError, match="attention-pooling"):
-        build_clip("siglip_vit_b16", base_config(dist1), "torch")
+def test_siglip_tiny_pair(dist1):
+    """Attention-pooling image tower (no class token, no projection), bidirectional text
+    tower pooled at the last position, tanh GELU, logit bias."""
+    from vitgraph.models.clip import build_clip, gelu_tanh
+    model = build_clip("siglip_tiny_patch4_32", base_config(dist1), "torch", seed=2)
+    names = {n for n, _ in model.named_parameters()}
+    for n in ("visual.attn_pool.latent", "visual.attn_pool.kv.weight", "visual.attn_pool.fc2.bias",
+              "visual.patch_embed.bias", "text.proj.bias", "logit_bias"):
+        assert n in names, n
+    assert not any(n.startswith(("visual.proj", "visual.cls_token", "visual.ln_pre")) for n in names)
+    assert model.visual.decoder.layers[0].mlp.activation_func is gelu_tanh
+    assert model.text.final_norm.eps == 1e-6
+    out = model(torch.randn(2, 3, 32, 32), tokens(["a", "b"]))
+    assert len(out) == 4 and out[0].shape == out[1].shape == (2, 64)
+    assert out[2].item() == pytest.approx(10.0) and out[3].item() == -10.0
+    sum(o.sum() for o in out).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
+    model.eval()
+    with torch.no_grad():  # bidirectional: the last position sees a change at the start
+        toks = tokens(["a red star"])
+        ref = model.encode_text(toks)
+        toks[0, 1] += 1
+        assert not torch.allclose(model.encode_text(toks), ref, atol=1e-5)
+
+
+def test_attention_pool_matches_a_direct_computation():
+    from types import SimpleNamespace
+    from vitgraph.models.vit import AttentionPool
+    cfg = SimpleNamespace(activation_func=torch.nn.functional.gelu, layernorm_epsilon=1e-6)
+    pool = AttentionPool(8, 2, 16, cfg, device="cpu", dtype=torch.float32)
+    x = torch.randn(3, 5, 8)
+    q = pool.q(pool.latent)[0, 0]  # [8]
+    k, v = pool.kv(x).split(8, dim=-1)
+    heads = []
+    for h in range(2):
+        sl = slice(4 * h, 4 * h + 4)
+        w = ((k[..., sl] @ q[sl]) / 2.0).softmax(dim=-1)  # [3, 5]
+        heads.append(torch.einsum("bn,bnd->bd", w, v[..., sl]))
+    y = pool.proj(torch.cat(heads, dim=-1))
+    want = y + pool.fc2(torch.nn.functional.gelu(pool.fc1(pool.norm(y))))
+    torch.testing.assert_close(pool(x), want, rtol=1e-5, atol=1e-6)
+    # pooling is over the tokens: their order does not matter
+    torch.testing.assert_close(pool(x.flip(1)), want, rtol=1e-5, atol=1e-6)
 
 
 def test_tiny_pair_fits_shape_captions(dist1):
@@ -213,3 +254,22 @@ def test_tiny_pair_fits_shape_captions(dist1):
         img, txt, _ = model(x, toks)
     assert ((img @ txt.T).argmax(dim=1) == torch.arange(16)).float().mean() >= 0.9
     assert time.time() - t0 < 60
+
+
+@pytest.mark.parametrize("name", sorted(CLIP_MODELS))
+def test_every_registered_pair_builds_and_runs(dist1, name):
+    """Every registered geometry (cut to one layer per tower, to stay quick on CPU)."""
+    import dataclasses
+    from vitgraph.models.clip import build_clip
+    arch = get_clip_arch(name)
+    arch = dataclasses.replace(arch, vision=dataclasses.replace(arch.vision, num_layers=1),
+                               text=dataclasses.replace(arch.text, num_layers=1))
+    model = build_clip(arch, base_config(dist1), "torch")
+    size = arch.vision.image_size
+    toks = torch.randint(1, arch.text.vocab_size - 1, (1, arch.text.context_length))
+    toks[0, -1] = arch.text.vocab_size - 1  # the end of text: the largest id
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, size, size), toks)
+    assert out[0].shape == out[1].shape == (1, arch.embed_dim)
+    assert len(out) == (4 if arch.init_logit_bias is not None else 3)
+    assert model.visual.pos_embed.shape[1] == int(arch.class_token) + arch.vision.num_patches()

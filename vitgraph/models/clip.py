@@ -7,8 +7,8 @@ scale ``exp(logit_scale)`` and, when the model has one, the bias. As in open_cli
 is clamped to at most 100 by clamping the parameter to [0, ln 100] after each optimizer step
 (``clamp_logit_scale_``), so its gradient is never cut off in the forward pass.
 
-Not yet: SigLIP's attention-pooling (MAP) image head (``siglip_vit_b16`` is registered, but
-building it raises NotImplementedError), pipeline parallelism for the pair of towers.
+SigLIP's image tower is the same ViT with ``head="map"`` (attention pooling; its output is
+the embedding, no projection). Not yet: pipeline parallelism for the pair of towers.
 """
 from __future__ import annotations
 
@@ -72,15 +72,23 @@ class CLIP(MegatronModule):
         self.logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (SigLIP)."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "gelu_tanh": gelu_tanh}
+
+
 def tower_config(base: TransformerConfig, *, hidden_size: int, num_layers: int, num_heads: int,
-                 ffn_hidden_size: int, quick: bool) -> TransformerConfig:
+                 ffn_hidden_size: int, activation: str, eps: float) -> TransformerConfig:
     """``base`` (precision, parallel layout, dropout ...) resized for one tower. The fields that
     TransformerConfig derives from the sizes are cleared so that they are derived again."""
     return dataclasses.replace(
         base, hidden_size=hidden_size, num_layers=num_layers, num_attention_heads=num_heads,
         ffn_hidden_size=ffn_hidden_size, kv_channels=None, num_query_groups=None,
         moe_ffn_hidden_size=None, init_method=None, output_layer_init_method=None,
-        activation_func=quick_gelu if quick else F.gelu)
+        activation_func=ACTIVATIONS[activation], layernorm_epsilon=eps)
 
 
 def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed: int = 0,
@@ -95,11 +103,12 @@ def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed
     name = arch if isinstance(arch, str) else None
     if isinstance(arch, str):
         arch = get_clip_arch(arch)
-    if arch.vision_pool == "map":
-        raise NotImplementedError(
-            f"{name or 'this model'}: the SigLIP image tower needs an attention-pooling (MAP) "
-            "head, which vitgraph does not build yet (no class token, a learned probe query "
-            "attending over the patch tokens, then an MLP)")
+    if arch.vision_pool == "map" and arch.embed_dim != arch.vision.hidden_size:
+        raise ValueError(f"{name or 'this model'}: an attention-pooling image tower has no "
+                         f"projection: embed_dim {arch.embed_dim} must equal the width "
+                         f"{arch.vision.hidden_size}")
+    if arch.activation not in ACTIVATIONS:
+        raise ValueError(f"activation={arch.activation!r}; known: {', '.join(ACTIVATIONS)}")
     if base.pipeline_model_parallel_size > 1:
         raise NotImplementedError("CLIP / SigLIP towers run on one pipeline stage: parallel.pp "
                                   "must be 1")
@@ -109,13 +118,15 @@ def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed
     v, t = arch.vision, text_arch
     vcfg = tower_config(base, hidden_size=v.hidden_size, num_layers=v.num_layers,
                         num_heads=v.num_heads, ffn_hidden_size=v.ffn_hidden_size,
-                        quick=arch.quick_gelu)
+                        activation=arch.activation, eps=arch.layernorm_epsilon)
     tcfg = tower_config(base, hidden_size=t.hidden_size, num_layers=t.num_layers,
                         num_heads=t.num_heads, ffn_hidden_size=t.ffn_hidden_size,
-                        quick=arch.quick_gelu)
+                        activation=arch.activation, eps=arch.layernorm_epsilon)
+    mapped = arch.vision_pool == "map"
     visual = ViT(vcfg, get_layer_spec(spec, padding_mask=pad_to is not None), v, 0,
-                 class_token=arch.class_token, pool=arch.vision_pool, pad_to=pad_to,
-                 ln_pre=arch.ln_pre, head="proj", embed_dim=arch.embed_dim,
+                 class_token=arch.class_token, pool="mean" if mapped else arch.vision_pool,
+                 pad_to=pad_to, ln_pre=arch.ln_pre, head="map" if mapped else "proj",
+                 embed_dim=arch.embed_dim,
                  patch_bias=arch.patch_bias)
     text = TextTransformer(tcfg, get_layer_spec(spec, causal=t.causal), t, arch.embed_dim)
     bias = arch.init_logit_bias if init_logit_bias is None else init_logit_bias

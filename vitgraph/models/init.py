@@ -14,7 +14,8 @@ projections (attention proj, FC2) N(0, init_std / sqrt(2 x layers)); biases 0; n
 patch embedding U(+-1/sqrt(fan_in)) as torch's Conv2d; class token, registers and position
 embeddings truncated N(0, 0.02); the head 0. CLIP towers (vitgraph.models.clip) add: ``ln_pre``
 as the other norms; the projection to the joint embedding (``proj``) N(0, 1/sqrt(width)) with
-a zero bias (as open_clip); the token embedding N(0, 0.02); the logit scale and bias take the
+a zero bias (as open_clip); the token embedding N(0, 0.02); SigLIP's attention-pooling head:
+its query truncated N(0, 1/sqrt(width)), linears N(0, init_std), biases 0, norm 1 / 0; the logit scale and bias take the
 model's constants. A CLIP model's towers are drawn under the global names ``visual.<name>``
 and ``text.<name>``. An unknown parameter is an error, so a new module cannot silently get
 layout-dependent weights.
@@ -63,6 +64,14 @@ def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers:
         return t.normal_(0.0, shape[1] ** -0.5, generator=gen)
     if name == "token_embed.weight":
         return t.normal_(0.0, 0.02, generator=gen)
+    if name.startswith("attn_pool."):  # SigLIP's attention-pooling head
+        if name == "attn_pool.latent":
+            return torch.nn.init.trunc_normal_(t, std=shape[-1] ** -0.5, generator=gen)
+        if name.startswith("attn_pool.norm."):
+            return t.fill_(1.0) if leaf == "weight" else t.zero_()
+        if leaf == "bias":
+            return t.zero_()
+        return t.normal_(0.0, std, generator=gen)
     if name.startswith("decoder.layers."):
         if leaf == "bias":
             return t.zero_()

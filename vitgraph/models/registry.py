@@ -82,9 +82,10 @@ class CLIPArch:
     embed_dim: int
     vision: ViTArch
     text: TextArch
-    quick_gelu: bool = False
+    activation: str = "gelu"       # gelu | quick_gelu (OpenAI CLIP) | gelu_tanh (SigLIP)
+    layernorm_epsilon: float = 1e-5
     class_token: bool = True
-    vision_pool: str = "cls"       # cls | mean | map (SigLIP's attention pooling: not built yet)
+    vision_pool: str = "cls"       # cls | mean | map (SigLIP's attention pooling, no projection)
     ln_pre: bool = True
     patch_bias: bool = False       # OpenAI CLIP's patch embedding has no bias
     init_logit_scale: float = math.log(1 / 0.07)
@@ -100,18 +101,28 @@ CLIP_MODELS: dict[str, CLIPArch] = {
     # up to 110 bytes + start and end of text
     "clip_tiny_patch4_32": CLIPArch(64, _arch(64, 4, 4, 4, 32),
                                     _text(64, 4, 4, vocab=259, context=112)),
+    # the SigLIP layout at the same size (attention pooling, bidirectional text, bias)
+    "siglip_tiny_patch4_32": CLIPArch(64, _arch(64, 4, 4, 4, 32),
+                                      _text(64, 4, 4, vocab=259, context=112, causal=False,
+                                            pool="last", proj_bias=True),
+                                      activation="gelu_tanh", layernorm_epsilon=1e-6,
+                                      class_token=False, vision_pool="map", ln_pre=False,
+                                      patch_bias=True, init_logit_scale=math.log(10),
+                                      init_logit_bias=-10.0),
     # OpenAI CLIP sizes (QuickGELU, as its released weights were trained)
     "clip_vit_b16": CLIPArch(512, _arch(768, 12, 12, 16, 224), _text(512, 12, 8),
-                             quick_gelu=True),
+                             activation="quick_gelu"),
     "clip_vit_l14": CLIPArch(768, _arch(1024, 24, 16, 14, 224), _text(768, 12, 12),
-                             quick_gelu=True),
+                             activation="quick_gelu"),
     "clip_vit_l14_336": CLIPArch(768, _arch(1024, 24, 16, 14, 336), _text(768, 12, 12),
-                                 quick_gelu=True),
-    # SigLIP B/16 (open_clip ViT-B-16-SigLIP): no class token, attention-pooling head,
+                                 activation="quick_gelu"),
+    # SigLIP B/16 (open_clip ViT-B-16-SigLIP, HF google/siglip-base-patch16-224): no class
+    # token, attention-pooling head (its output is the embedding: no projection), tanh GELU,
     # bidirectional text tower pooled at the last position, sigmoid loss with a bias
     "siglip_vit_b16": CLIPArch(768, _arch(768, 12, 12, 16, 224),
                                _text(768, 12, 12, vocab=32000, context=64, causal=False,
                                      pool="last", proj_bias=True),
+                               activation="gelu_tanh", layernorm_epsilon=1e-6,
                                class_token=False, vision_pool="map", ln_pre=False,
                                patch_bias=True, init_logit_scale=math.log(10),
                                init_logit_bias=-10.0),

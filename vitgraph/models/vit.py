@@ -15,7 +15,9 @@ the mean pool therefore see exactly what an unpadded model computes.
 The same class is the image tower of CLIP (vitgraph.models.clip): ``ln_pre`` adds a LayerNorm
 after the embedding (OpenAI CLIP / open_clip), ``head="proj"`` replaces the classifier by a
 bias-free projection to the embedding width (``proj``), and ``patch_bias=False`` drops the patch
-embedding's bias as OpenAI CLIP does. CLIP's ``ln_post`` is ``final_norm``: it normalises every
+embedding's bias as OpenAI CLIP does; ``head="map"`` pools the patch tokens by attention to a
+learned query (SigLIP's multihead attention pooling, ``attn_pool``) and returns the width
+itself. CLIP's ``ln_post`` is ``final_norm``: it normalises every
 token before pooling, which for the class token is the same as normalising the pooled token.
 The defaults build the classifier unchanged.
 """
@@ -50,8 +52,8 @@ class ViT(MegatronModule):
                  head: str = "classifier", embed_dim: int | None = None,
                  patch_bias: bool = True):
         super().__init__(config=config)
-        if head not in ("classifier", "proj"):
-            raise ValueError(f"head={head!r}: classifier | proj")
+        if head not in ("classifier", "proj", "map"):
+            raise ValueError(f"head={head!r}: classifier | proj | map")
         if head == "proj" and not embed_dim:
             raise ValueError("head='proj' needs embed_dim (the joint embedding width)")
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
@@ -88,7 +90,10 @@ class ViT(MegatronModule):
         if post_process:
             self.final_norm = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon,
                                                  device=device, dtype=dtype)
-            if head == "proj":
+            if head == "map":
+                self.attn_pool = AttentionPool(d, arch.num_heads, arch.ffn_hidden_size, config,
+                                               device=device, dtype=dtype)
+            elif head == "proj":
                 self.proj = torch.nn.Linear(d, embed_dim, bias=False, device=device, dtype=dtype)
                 torch.nn.init.normal_(self.proj.weight, std=d ** -0.5)
             else:
@@ -169,6 +174,8 @@ class ViT(MegatronModule):
                 hidden, tensor_parallel_output_grad=False)
         hidden = hidden[: self.seq_len]
         hidden = self.final_norm(hidden)
+        if hasattr(self, "attn_pool"):
+            return self.attn_pool(hidden[self.num_prefix:].transpose(0, 1))
         if self.pool == "cls" and self.class_token:
             feats = hidden[0]
         else:
@@ -176,6 +183,35 @@ class ViT(MegatronModule):
         if hasattr(self, "proj"):
             return self.proj(feats)
         return self.head(feats)
+
+
+class AttentionPool(torch.nn.Module):
+    """Multihead attention pooling (SigLIP's MAP head): one learned query attends over the
+    tokens, then a pre-norm MLP with a residual; [b, n, d] -> [b, d]. Replicated over
+    tensor-parallel ranks (small next to the encoder)."""
+
+    def __init__(self, d: int, heads: int, ffn: int, config: TransformerConfig, device, dtype):
+        super().__init__()
+        self.heads = heads
+        self.act = config.activation_func
+        kw = dict(device=device, dtype=dtype)
+        self.latent = torch.nn.Parameter(torch.zeros(1, 1, d, **kw))
+        torch.nn.init.trunc_normal_(self.latent, std=d ** -0.5)
+        self.q = torch.nn.Linear(d, d, **kw)
+        self.kv = torch.nn.Linear(d, 2 * d, **kw)   # [k; v], heads contiguous in each
+        self.proj = torch.nn.Linear(d, d, **kw)
+        self.norm = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon, **kw)
+        self.fc1 = torch.nn.Linear(d, ffn, **kw)
+        self.fc2 = torch.nn.Linear(ffn, d, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.heads
+        q = self.q(self.latent).expand(b, -1, -1).reshape(b, 1, h, d // h).transpose(1, 2)
+        k, v = self.kv(x).reshape(b, n, 2, h, d // h).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)  # [b, h, 1, d/h]
+        out = self.proj(out.transpose(1, 2).reshape(b, d))
+        return out + self.fc2(self.act(self.fc1(self.norm(out))))
 
 
 def vit_flops_per_image(a: ViTArch, num_prefix: int, num_classes: int,
