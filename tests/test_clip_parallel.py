@@ -33,7 +33,13 @@ def _run(tp: int, name: str):
     images = torch.randn(4, 3, 32, 32, generator=g)
     toks = ByteTokenizer(112)(["a red star", "a blue circle on the left", "x", "a big square"])
     out = model(images, toks)
-    loss = clip_loss(*out[:3]) if len(out) == 3 else siglip_loss(*out)
+    # negatives from the data-parallel group only (of one rank at tp=2). At tp=1 the two
+    # processes are dp=2 with the same batch: each scores its own batch alone there too
+    import torch.distributed as dist
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    group = ps.get_data_parallel_group() if tp > 1 else singles[dist.get_rank()]
+    loss = (clip_loss(*out[:3], group=group) if len(out) == 3
+            else siglip_loss(*out, group=group))
     loss.backward()
     group = ps.get_tensor_model_parallel_group()
     grads = {n: _gather_tp(p, p.grad, group) for n, p in model.named_parameters()}

@@ -1,7 +1,9 @@
 """Image–text contrastive losses over every data-parallel rank's batch.
 
 Both take L2-normalised features of this rank's pairs ([b, e] each) and return this rank's
-loss. Negatives come from every rank of ``group`` (the data-parallel group): the features
+loss. Negatives come from every rank of ``group``: pass the data-parallel group
+(``parallel_state.get_data_parallel_group()``); ``None`` is the whole world, which is right
+only without tensor or pipeline parallelism. The features
 are all-gathered, and the gather's backward sums every rank's gradient for a rank's features
 and hands it back to that rank, so the gradient flows through the local features as if one
 process had the whole batch. With equal local batches the mean of the ranks' losses is the
