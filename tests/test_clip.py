@@ -24,7 +24,7 @@ def tiny(d, seed=0, **kw):
     return build_clip("clip_tiny_patch4_32", base_config(d), "torch", seed=seed, **kw)
 
 
-def tokens(texts, context=112):
+def tokens(texts, context=128):
     return ByteTokenizer(context)(texts)
 
 
@@ -273,3 +273,17 @@ def test_every_registered_pair_builds_and_runs(dist1, name):
     assert out[0].shape == out[1].shape == (1, arch.embed_dim)
     assert len(out) == (4 if arch.init_logit_bias is not None else 3)
     assert model.visual.pos_embed.shape[1] == int(arch.class_token) + arch.vision.num_patches()
+
+
+def test_tiny_context_holds_the_longest_shapes_caption():
+    """The longest caption the shapes data can write (longest colour names, a one-fold
+    symmetric shape turned 180 degrees, a corner position) is not cut by the tokenizer."""
+    from vitgraph.data import shapes
+    colours = sorted((c for c, _ in shapes._PALETTE), key=len)[-2:]
+    name = max((n for n in shapes.CLASSES if shapes._SYMMETRY[n] == 1), key=len)
+    worst = (f"a medium {colours[1]} {name} on a {colours[0]} background, in the bottom right, "
+             "rotated 180 degrees counter-clockwise")
+    for arch_name in ("clip_tiny_patch4_32", "siglip_tiny_patch4_32"):
+        context = get_clip_arch(arch_name).text.context_length
+        ids = ByteTokenizer(context).encode(worst)
+        assert len(ids) == len(worst) + 2 <= context, (arch_name, len(worst))

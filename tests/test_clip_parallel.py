@@ -31,7 +31,7 @@ def _run(tp: int, name: str):
                        tp_size=d.tp)
     g = torch.Generator().manual_seed(0)
     images = torch.randn(4, 3, 32, 32, generator=g)
-    toks = ByteTokenizer(112)(["a red star", "a blue circle on the left", "x", "a big square"])
+    toks = ByteTokenizer(128)(["a red star", "a blue circle on the left", "x", "a big square"])
     out = model(images, toks)
     # negatives from the data-parallel group only (of one rank at tp=2). At tp=1 the two
     # processes are dp=2 with the same batch: each scores its own batch alone there too

@@ -97,13 +97,13 @@ def _text(width, depth, heads, vocab=49408, context=77, **kw):
 
 
 CLIP_MODELS: dict[str, CLIPArch] = {
-    # 2-CPU-core pair for the embedded shapes data: byte-level tokenizer (259 ids), captions
-    # up to 110 bytes + start and end of text
+    # 2-CPU-core pair for the embedded shapes data: byte-level tokenizer (259 ids); its
+    # longest caption is 117 bytes, + start and end of text (tests/test_clip.py checks it)
     "clip_tiny_patch4_32": CLIPArch(64, _arch(64, 4, 4, 4, 32),
-                                    _text(64, 4, 4, vocab=259, context=112)),
+                                    _text(64, 4, 4, vocab=259, context=128)),
     # the SigLIP layout at the same size (attention pooling, bidirectional text, bias)
     "siglip_tiny_patch4_32": CLIPArch(64, _arch(64, 4, 4, 4, 32),
-                                      _text(64, 4, 4, vocab=259, context=112, causal=False,
+                                      _text(64, 4, 4, vocab=259, context=128, causal=False,
                                             pool="last", proj_bias=True),
                                       activation="gelu_tanh", layernorm_epsilon=1e-6,
                                       class_token=False, vision_pool="map", ln_pre=False,
