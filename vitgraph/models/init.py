@@ -15,10 +15,10 @@ patch embedding U(+-1/sqrt(fan_in)) as torch's Conv2d; class token, registers an
 embeddings truncated N(0, 0.02); the head 0. CLIP towers (vitgraph.models.clip) add: ``ln_pre``
 as the other norms; the projection to the joint embedding (``proj``) N(0, 1/sqrt(width)) with
 a zero bias (as open_clip); the token embedding N(0, 0.02); SigLIP's attention-pooling head:
-its query truncated N(0, 1/sqrt(width)), linears N(0, init_std), biases 0, norm 1 / 0; the logit scale and bias take the
-model's constants. A CLIP model's towers are drawn under the global names ``visual.<name>``
-and ``text.<name>``. An unknown parameter is an error, so a new module cannot silently get
-layout-dependent weights.
+its query truncated N(0, 1/sqrt(width)), linears N(0, init_std), biases 0, norm 1 / 0; the
+logit scale and bias take the model's constants. A CLIP model's towers are drawn under the
+global names ``visual.<name>`` and ``text.<name>``. An unknown parameter is an error, so a new
+module cannot silently get layout-dependent weights.
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ after the embedding (OpenAI CLIP / open_clip), ``head="proj"`` replaces the clas
 bias-free projection to the embedding width (``proj``), and ``patch_bias=False`` drops the patch
 embedding's bias as OpenAI CLIP does; ``head="map"`` pools the patch tokens by attention to a
 learned query (SigLIP's multihead attention pooling, ``attn_pool``) and returns the width
-itself. CLIP's ``ln_post`` is ``final_norm``: it normalises every
-token before pooling, which for the class token is the same as normalising the pooled token.
-The defaults build the classifier unchanged.
+itself. CLIP's ``ln_post`` is ``final_norm``: it normalises every token before pooling, which
+for the class token is the same as normalising the pooled token. The defaults build the
+classifier unchanged.
 """
 from __future__ import annotations
 
