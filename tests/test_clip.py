@@ -232,7 +232,6 @@ def test_attention_pool_matches_a_direct_computation():
 def test_tiny_pair_fits_shape_captions(dist1):
     """End to end on CPU: the tiny pair learns to match 16 shapes images with their captions
     (the loss falls from ~ln 16 and image->text retrieval on them becomes right)."""
-    import time
     from vitgraph.data.shapes import generate
     from vitgraph.tasks.contrastive_loss import clip_loss
     images, _, captions = generate(16, 123, 10, 32)
@@ -240,7 +239,6 @@ def test_tiny_pair_fits_shape_captions(dist1):
     toks = tokens(captions)
     model = tiny(dist1, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    t0 = time.time()
     first = None
     for _ in range(40):
         img, txt, scale = model(x, toks)
@@ -255,7 +253,6 @@ def test_tiny_pair_fits_shape_captions(dist1):
     with torch.no_grad():
         img, txt, _ = model(x, toks)
     assert ((img @ txt.T).argmax(dim=1) == torch.arange(16)).float().mean() >= 0.9
-    assert time.time() - t0 < 60
 
 
 @pytest.mark.parametrize("name", sorted(CLIP_MODELS))
