@@ -12,7 +12,12 @@ width]), so contiguous slices along dim 0 are exactly what tensor parallelism ha
 Distributions (as megatron-core and timm): QKV and FC1 weights N(0, init_std); the output
 projections (attention proj, FC2) N(0, init_std / sqrt(2 x layers)); biases 0; norm weights 1;
 patch embedding U(+-1/sqrt(fan_in)) as torch's Conv2d; class token, registers and position
-embeddings truncated N(0, 0.02); the head 0. An unknown parameter is an error, so a new
+embeddings truncated N(0, 0.02); the head 0. CLIP towers (vitgraph.models.clip) add: ``ln_pre``
+as the other norms; the projection to the joint embedding (``proj``) N(0, 1/sqrt(width)) with
+a zero bias (as open_clip); the token embedding N(0, 0.02); SigLIP's attention-pooling head:
+its query truncated N(0, 1/sqrt(width)), linears N(0, init_std), biases 0, norm 1 / 0; the
+logit scale and bias take the model's constants. A CLIP model's towers are drawn under the
+global names ``visual.<name>`` and ``text.<name>``. An unknown parameter is an error, so a new
 module cannot silently get layout-dependent weights.
 """
 from __future__ import annotations
@@ -50,10 +55,23 @@ def _seed(seed: int, name: str) -> int:
 def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers: int) -> torch.Tensor:
     t = torch.empty(shape, dtype=torch.float32)
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "layer_norm_weight" or name.startswith("final_norm.") and leaf == "weight":
+    norm = name.startswith(("final_norm.", "ln_pre."))
+    if leaf == "layer_norm_weight" or norm and leaf == "weight":
         return t.fill_(1.0)
-    if leaf in ("layer_norm_bias",) or name.startswith(("final_norm.", "head.")):
+    if leaf in ("layer_norm_bias",) or norm or name.startswith("head.") or name == "proj.bias":
         return t.zero_()
+    if name == "proj.weight":  # [embed_dim, width]
+        return t.normal_(0.0, shape[1] ** -0.5, generator=gen)
+    if name == "token_embed.weight":
+        return t.normal_(0.0, 0.02, generator=gen)
+    if name.startswith("attn_pool."):  # SigLIP's attention-pooling head
+        if name == "attn_pool.latent":
+            return torch.nn.init.trunc_normal_(t, std=shape[-1] ** -0.5, generator=gen)
+        if name.startswith("attn_pool.norm."):
+            return t.fill_(1.0) if leaf == "weight" else t.zero_()
+        if leaf == "bias":
+            return t.zero_()
+        return t.normal_(0.0, std, generator=gen)
     if name.startswith("decoder.layers."):
         if leaf == "bias":
             return t.zero_()
@@ -70,8 +88,10 @@ def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers:
 
 
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Fill every parameter of ``model`` (one chunk) from (seed, global name); see above."""
+def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: int = 1,
+                 prefix: str = "") -> None:
+    """Fill every parameter of ``model`` (one chunk) from (seed, global name); see above.
+    ``prefix``: the model's place in a larger one (``visual.``), part of the seeding name."""
     names = global_names(model)
     std = model.config.init_method_std
     layers = model.config.num_layers
@@ -85,7 +105,7 @@ def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: i
         dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
         if dim >= 0 and tp_size > 1:
             shape[dim] *= tp_size
-        gen = torch.Generator().manual_seed(_seed(seed, name))
+        gen = torch.Generator().manual_seed(_seed(seed, prefix + name))
         if name == "patch_embed.bias":  # torch's Conv2d: the weight's fan-in bounds the bias
             bound = 1.0 / math.sqrt(patch_fan_in)
             full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
@@ -94,3 +114,18 @@ def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: i
         if dim >= 0 and tp_size > 1:
             full = full.chunk(tp_size, dim=dim)[tp_rank]
         p.copy_(full.to(p.dtype))
+
+
+@torch.no_grad()
+def init_clip_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0,
+                      tp_size: int = 1) -> None:
+    """A CLIP model (vitgraph.models.clip): both towers, then the logit scale and bias."""
+    init_weights(model.visual, seed, tp_rank, tp_size, prefix="visual.")
+    init_weights(model.text, seed, tp_rank, tp_size, prefix="text.")
+    for name, p in model.named_parameters(recurse=False):
+        if name == "logit_scale":
+            p.fill_(model.init_logit_scale)
+        elif name == "logit_bias":
+            p.fill_(model.init_logit_bias)
+        else:
+            raise ValueError(f"vitgraph.models.init: no initialisation rule for parameter {name!r}")

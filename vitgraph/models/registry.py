@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -59,3 +60,76 @@ def resolve_arch(model_cfg) -> ViTArch:
     if "hidden_size" in over and "ffn_hidden_size" not in over:
         over["ffn_hidden_size"] = 4 * over["hidden_size"]
     return dataclasses.replace(arch, **over)
+
+
+# --- image–text pairs (CLIP, SigLIP): vitgraph.models.clip builds them ---------------------
+
+@dataclass(frozen=True)
+class TextArch:
+    vocab_size: int
+    context_length: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    causal: bool = True      # CLIP: causal; SigLIP: bidirectional
+    pool: str = "eot"        # eot: the end-of-text token (argmax of the ids); last: position -1
+    proj_bias: bool = False  # SigLIP's text projection has a bias
+
+
+@dataclass(frozen=True)
+class CLIPArch:
+    embed_dim: int
+    vision: ViTArch
+    text: TextArch
+    activation: str = "gelu"       # gelu | quick_gelu (OpenAI CLIP) | gelu_tanh (SigLIP)
+    layernorm_epsilon: float = 1e-5
+    class_token: bool = True
+    vision_pool: str = "cls"       # cls | mean | map (SigLIP's attention pooling, no projection)
+    ln_pre: bool = True
+    patch_bias: bool = False       # OpenAI CLIP's patch embedding has no bias
+    init_logit_scale: float = math.log(1 / 0.07)
+    init_logit_bias: float | None = None  # set: the model has a learnable bias (SigLIP loss)
+
+
+def _text(width, depth, heads, vocab=49408, context=77, **kw):
+    return TextArch(vocab, context, width, depth, heads, 4 * width, **kw)
+
+
+CLIP_MODELS: dict[str, CLIPArch] = {
+    # 2-CPU-core pair for the embedded shapes data: byte-level tokenizer (259 ids); its
+    # longest caption is 117 bytes, + start and end of text (tests/test_clip.py checks it)
+    "clip_tiny_patch4_32": CLIPArch(64, _arch(64, 4, 4, 4, 32),
+                                    _text(64, 4, 4, vocab=259, context=128)),
+    # the SigLIP layout at the same size (attention pooling, bidirectional text, bias)
+    "siglip_tiny_patch4_32": CLIPArch(64, _arch(64, 4, 4, 4, 32),
+                                      _text(64, 4, 4, vocab=259, context=128, causal=False,
+                                            pool="last", proj_bias=True),
+                                      activation="gelu_tanh", layernorm_epsilon=1e-6,
+                                      class_token=False, vision_pool="map", ln_pre=False,
+                                      patch_bias=True, init_logit_scale=math.log(10),
+                                      init_logit_bias=-10.0),
+    # OpenAI CLIP sizes (QuickGELU, as its released weights were trained)
+    "clip_vit_b16": CLIPArch(512, _arch(768, 12, 12, 16, 224), _text(512, 12, 8),
+                             activation="quick_gelu"),
+    "clip_vit_l14": CLIPArch(768, _arch(1024, 24, 16, 14, 224), _text(768, 12, 12),
+                             activation="quick_gelu"),
+    "clip_vit_l14_336": CLIPArch(768, _arch(1024, 24, 16, 14, 336), _text(768, 12, 12),
+                                 activation="quick_gelu"),
+    # SigLIP B/16 (open_clip ViT-B-16-SigLIP, HF google/siglip-base-patch16-224): no class
+    # token, attention-pooling head (its output is the embedding: no projection), tanh GELU,
+    # bidirectional text tower pooled at the last position, sigmoid loss with a bias
+    "siglip_vit_b16": CLIPArch(768, _arch(768, 12, 12, 16, 224),
+                               _text(768, 12, 12, vocab=32000, context=64, causal=False,
+                                     pool="last", proj_bias=True),
+                               activation="gelu_tanh", layernorm_epsilon=1e-6,
+                               class_token=False, vision_pool="map", ln_pre=False,
+                               patch_bias=True, init_logit_scale=math.log(10),
+                               init_logit_bias=-10.0),
+}
+
+
+def get_clip_arch(name: str) -> CLIPArch:
+    if name not in CLIP_MODELS:
+        raise KeyError(f"unknown image–text model {name!r}; known: {', '.join(sorted(CLIP_MODELS))}")
+    return CLIP_MODELS[name]

@@ -60,20 +60,21 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
 
 
 class SDPAttention(MegatronModule):
-    """Bidirectional core attention through ``F.scaled_dot_product_attention``.
+    """Core attention through ``F.scaled_dot_product_attention``: bidirectional for a ViT,
+    causal for a text tower (``AttnMaskType.causal``).
 
     megatron-core 0.16.1's local ViT spec masks causally, which is wrong for a ViT; this is the
     drop-in core attention for the ``torch`` spec: [s, b, heads, d] in, [s, b, heads * d] out.
     With a padding mask ([b, 1, 1, s], True = masked key, megatron's convention) padded keys
-    are left out.
+    are left out; with a causal mask type a query sees only itself and earlier positions.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                  pg_collection=None):
         super().__init__(config=config)
-        assert attn_mask_type in (AttnMaskType.no_mask, AttnMaskType.padding), \
-            "a ViT attends bidirectionally"
+        assert attn_mask_type in MASKS.values(), attn_mask_type
+        self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
 
@@ -81,9 +82,14 @@ class SDPAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         keep = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        causal = self.causal
+        if causal and keep is not None:  # SDPA takes one or the other: merge them
+            s_q, s_k = q.shape[2], k.shape[2]
+            keep = keep & torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
+            causal = False
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, dropout_p=self.dropout if self.training else 0.0,
-            scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+            is_causal=causal, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -107,16 +113,22 @@ def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType) -> Modu
     )
 
 
-def get_layer_spec(name: str, padding_mask: bool = False) -> ModuleSpec:
+# (padding_mask, causal) -> megatron's mask type
+MASKS = {(False, False): AttnMaskType.no_mask, (True, False): AttnMaskType.padding,
+         (False, True): AttnMaskType.causal, (True, True): AttnMaskType.padding_causal}
+
+
+def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False) -> ModuleSpec:
     """The layer spec; ``padding_mask``: attention takes a key-padding mask (token padding,
-    see vitgraph.models.vit), otherwise no mask at all."""
-    mask = AttnMaskType.padding if padding_mask else AttnMaskType.no_mask
+    see vitgraph.models.vit); ``causal``: each token attends only to itself and earlier ones
+    (a CLIP text tower); neither: no mask at all (a ViT)."""
+    mask = MASKS[(bool(padding_mask), bool(causal))]
     if name == "te":
         # megatron-core's TE ViT spec: no mask, layer norms fused into the linears
         from megatron.core.models.vision.vit_layer_specs import (
             get_vit_layer_with_transformer_engine_spec)
         spec = get_vit_layer_with_transformer_engine_spec()
-        if padding_mask:
+        if mask != AttnMaskType.no_mask:
             spec = copy.deepcopy(spec)
             spec.submodules.self_attention.params["attn_mask_type"] = mask
         return spec

@@ -11,6 +11,15 @@ zero tokens at its end. Padded tokens are masked out as attention keys (a paddin
 masked, as megatron and TE take it), so real tokens never see them; they pass through the
 per-token MLPs and norms harmlessly and are dropped before the final norm. The class token and
 the mean pool therefore see exactly what an unpadded model computes.
+
+The same class is the image tower of CLIP (vitgraph.models.clip): ``ln_pre`` adds a LayerNorm
+after the embedding (OpenAI CLIP / open_clip), ``head="proj"`` replaces the classifier by a
+bias-free projection to the embedding width (``proj``), and ``patch_bias=False`` drops the patch
+embedding's bias as OpenAI CLIP does; ``head="map"`` pools the patch tokens by attention to a
+learned query (SigLIP's multihead attention pooling, ``attn_pool``) and returns the width
+itself. CLIP's ``ln_post`` is ``final_norm``: it normalises every token before pooling, which
+for the class token is the same as normalising the pooled token. The defaults build the
+classifier unchanged.
 """
 from __future__ import annotations
 
@@ -39,8 +48,14 @@ class ViT(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, arch: ViTArch,
                  num_classes: int, *, num_registers: int = 0, class_token: bool = True,
                  pool: str = "cls", pre_process: bool = True, post_process: bool = True,
-                 vp_stage: int | None = None, pad_to=None):
+                 vp_stage: int | None = None, pad_to=None, ln_pre: bool = False,
+                 head: str = "classifier", embed_dim: int | None = None,
+                 patch_bias: bool = True):
         super().__init__(config=config)
+        if head not in ("classifier", "proj", "map"):
+            raise ValueError(f"head={head!r}: classifier | proj | map")
+        if head == "proj" and not embed_dim:
+            raise ValueError("head='proj' needs embed_dim (the joint embedding width)")
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.share_embeddings_and_output_weights = False  # read by finalize_model_grads
         # micro-batch -> multiple to pad the token count to (None: never pad); see the docstring
@@ -55,7 +70,7 @@ class ViT(MegatronModule):
         dtype = config.params_dtype
         if pre_process:
             self.patch_embed = torch.nn.Conv2d(3, d, arch.patch_size, arch.patch_size,
-                                               device=device, dtype=dtype)
+                                               bias=patch_bias, device=device, dtype=dtype)
             if class_token:
                 self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, d, device=device, dtype=dtype))
             if num_registers:
@@ -66,15 +81,25 @@ class ViT(MegatronModule):
             torch.nn.init.trunc_normal_(self.pos_embed, std=0.02)
             for p in self._prefix_params():
                 torch.nn.init.trunc_normal_(p, std=0.02)
+            if ln_pre:
+                self.ln_pre = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon,
+                                                 device=device, dtype=dtype)
         self.decoder = TransformerBlock(config, layer_spec, post_layer_norm=False,
                                         pre_process=pre_process, post_process=post_process,
                                         vp_stage=vp_stage)
         if post_process:
             self.final_norm = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon,
                                                  device=device, dtype=dtype)
-            self.head = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
-            torch.nn.init.zeros_(self.head.weight)
-            torch.nn.init.zeros_(self.head.bias)
+            if head == "map":
+                self.attn_pool = AttentionPool(d, arch.num_heads, arch.ffn_hidden_size, config,
+                                               device=device, dtype=dtype)
+            elif head == "proj":
+                self.proj = torch.nn.Linear(d, embed_dim, bias=False, device=device, dtype=dtype)
+                torch.nn.init.normal_(self.proj.weight, std=d ** -0.5)
+            else:
+                self.head = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
+                torch.nn.init.zeros_(self.head.weight)
+                torch.nn.init.zeros_(self.head.bias)
 
     def _prefix_params(self):
         return [p for p in (getattr(self, "cls_token", None), getattr(self, "registers", None))
@@ -106,6 +131,8 @@ class ViT(MegatronModule):
         b = x.shape[0]
         prefix = [p.expand(b, -1, -1) for p in self._prefix_params()]
         x = torch.cat([*prefix, x], dim=1) + self._pos_embed(grid)
+        if hasattr(self, "ln_pre"):
+            x = self.ln_pre(x)
         return x.transpose(0, 1).contiguous()
 
     def padded_len(self, micro_batch: int, seq_len: int | None = None) -> int:
@@ -147,11 +174,44 @@ class ViT(MegatronModule):
                 hidden, tensor_parallel_output_grad=False)
         hidden = hidden[: self.seq_len]
         hidden = self.final_norm(hidden)
+        if hasattr(self, "attn_pool"):
+            return self.attn_pool(hidden[self.num_prefix:].transpose(0, 1))
         if self.pool == "cls" and self.class_token:
             feats = hidden[0]
         else:
             feats = hidden[self.num_prefix:].mean(dim=0)
+        if hasattr(self, "proj"):
+            return self.proj(feats)
         return self.head(feats)
+
+
+class AttentionPool(torch.nn.Module):
+    """Multihead attention pooling (SigLIP's MAP head): one learned query attends over the
+    tokens, then a pre-norm MLP with a residual; [b, n, d] -> [b, d]. Replicated over
+    tensor-parallel ranks (small next to the encoder)."""
+
+    def __init__(self, d: int, heads: int, ffn: int, config: TransformerConfig, device, dtype):
+        super().__init__()
+        self.heads = heads
+        self.act = config.activation_func
+        kw = dict(device=device, dtype=dtype)
+        self.latent = torch.nn.Parameter(torch.zeros(1, 1, d, **kw))
+        torch.nn.init.trunc_normal_(self.latent, std=d ** -0.5)
+        self.q = torch.nn.Linear(d, d, **kw)
+        self.kv = torch.nn.Linear(d, 2 * d, **kw)   # [k; v], heads contiguous in each
+        self.proj = torch.nn.Linear(d, d, **kw)
+        self.norm = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon, **kw)
+        self.fc1 = torch.nn.Linear(d, ffn, **kw)
+        self.fc2 = torch.nn.Linear(ffn, d, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.heads
+        q = self.q(self.latent).expand(b, -1, -1).reshape(b, 1, h, d // h).transpose(1, 2)
+        k, v = self.kv(x).reshape(b, n, 2, h, d // h).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)  # [b, h, 1, d/h]
+        out = self.proj(out.transpose(1, 2).reshape(b, d))
+        return out + self.fc2(self.act(self.fc1(self.norm(out))))
 
 
 def vit_flops_per_image(a: ViTArch, num_prefix: int, num_classes: int,

@@ -1,0 +1,48 @@
+"""The offline byte-level tokenizer."""
+import socket
+
+import pytest
+import torch
+
+from vitgraph.text.tokenizer import EOT, PAD, SOT, VOCAB_SIZE, ByteTokenizer
+
+
+def test_layout_start_end_pad():
+    tok = ByteTokenizer(context_length=16)
+    ids = tok(["a Red  star", "b"])
+    assert ids.shape == (2, 16) and ids.dtype == torch.long
+    row = ids[0].tolist()
+    assert row[0] == SOT
+    assert bytes(i - 1 for i in row[1:11]) == b"a red star"  # lower-cased, spaces collapsed
+    assert row[11] == EOT and set(row[12:]) == {PAD}
+    assert ids[1].tolist()[:3] == [SOT, ord("b") + 1, EOT]
+    # end of text has the largest id: argmax finds it (CLIP's pooling convention)
+    assert ids.argmax(dim=-1).tolist() == [11, 2]
+    assert int(ids.max()) < VOCAB_SIZE
+
+
+def test_truncation_keeps_end_of_text():
+    tok = ByteTokenizer(context_length=8)
+    ids = tok("a very long caption indeed")[0].tolist()
+    assert len(ids) == 8 and ids[0] == SOT and ids[-1] == EOT
+    assert tok.decode(ids) == "a very"
+
+
+def test_round_trip_utf8_and_determinism():
+    tok = ByteTokenizer(context_length=32)
+    text = "un cœur rouge, à gauche"
+    assert tok.decode(tok(text)[0]) == text
+    assert torch.equal(tok([text, "x"]), ByteTokenizer(context_length=32)([text, "x"]))
+
+
+def test_works_without_network(monkeypatch):
+    def no_network(*a, **k):
+        raise AssertionError("the tokenizer tried to open a socket")
+    monkeypatch.setattr(socket, "socket", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    assert ByteTokenizer(context_length=20)("a small blue circle").shape == (1, 20)
+
+
+def test_context_length_too_small_is_refused():
+    with pytest.raises(ValueError, match="context_length"):
+        ByteTokenizer(context_length=2)
