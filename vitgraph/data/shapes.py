@@ -172,7 +172,13 @@ def _draw_shape(draw, name, cx, cy, r, angle, y0=0):
         draw.polygon(list(zip(xs.tolist(), ys.tolist())), fill=fill)
 
 
-_SHARED_OUT = None  # set before forking workers: they write images here, not through pipes
+_SHARED_OUT = None  # in each worker: the shared buffer the images are written into
+
+
+def _attach_shared(buf, shape) -> None:
+    """Pool initializer: view the parent's shared buffer as the image array."""
+    global _SHARED_OUT
+    _SHARED_OUT = np.frombuffer(buf, np.uint8, count=int(np.prod(shape))).reshape(shape)
 
 
 def _render_into_shared(args):
@@ -253,20 +259,21 @@ def generate(num: int, split_seed: int, num_classes: int = 10, render_size: int 
     jobs = [(split_seed, i, labels[s:s + CHUNK], render_size)
             for i, s in enumerate(range(0, num, CHUNK))]
     shape = (num, render_size, render_size, 3)
-    if workers > 1 and len(jobs) > 1 and "fork" in mp.get_all_start_methods():
-        # Forked workers (they need only numpy + PIL; fork skips re-importing torch) write
-        # into one shared buffer; sending 150 MB back through pipes cost more than drawing.
-        global _SHARED_OUT
-        ctx = mp.get_context("fork")
+    if workers > 1 and len(jobs) > 1:
+        # Workers write into one shared buffer; sending 150 MB back through pipes cost more
+        # than drawing. They come from a fork server, never forked from this process: by now
+        # it runs gloo's and torch's threads, and a child forked while one of them held a lock
+        # hung (seen: the README's default run stuck after the training split).
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload([__name__])  # import numpy / PIL once, in the server
         buf = ctx.RawArray("B", max(1, int(np.prod(shape))))
-        _SHARED_OUT = np.frombuffer(buf, np.uint8, count=int(np.prod(shape))).reshape(shape)
-        try:
-            with ctx.Pool(min(workers, len(jobs))) as pool:
-                caps = pool.map(_render_into_shared, [(i * CHUNK, j) for i, j in enumerate(jobs)],
-                                chunksize=1)
-            images = _SHARED_OUT.copy()
-        finally:
-            _SHARED_OUT = None
+        with ctx.Pool(min(workers, len(jobs)), initializer=_attach_shared,
+                      initargs=(buf, shape)) as pool:
+            caps = pool.map(_render_into_shared, [(i * CHUNK, j) for i, j in enumerate(jobs)],
+                            chunksize=1)
+        images = np.frombuffer(buf, np.uint8, count=int(np.prod(shape))).reshape(shape).copy()
         captions = [c for part in caps for c in part]
     else:
         parts = [_render_chunk(j) for j in jobs]
