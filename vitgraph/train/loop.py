@@ -76,12 +76,11 @@ class TrainingFailed(RuntimeError):
     """A failure during training, summarised on one line; the traceback is in train.log."""
 
 
-def _split_padded(images, labels, k: int) -> list:
-    """One eval batch as ``k`` equal microbatches, filled up with copies of the first image
-    labelled -1 (not counted)."""
-    if k == 1:
-        return [(images, labels)]
+def _split_padded(images, labels, k: int, multiple: int = 1) -> list:
+    """One eval batch as ``k`` equal microbatches of a multiple of ``multiple`` samples,
+    filled up with copies of the first image labelled -1 (not counted)."""
     m = -(-len(labels) // k)
+    m = -(-m // multiple) * multiple
     pad = m * k - len(labels)
     if pad:
         images = torch.cat([images, images[:1].expand(pad, *images.shape[1:])])
@@ -248,11 +247,13 @@ class Trainer:
         for w in self.wrapped:
             w.eval()
         total = torch.zeros(3, device=self.d.device)
-        # the interleaved schedule needs at least pp microbatches
+        # the interleaved schedule needs at least pp microbatches; FP8 GEMMs a token count that
+        # is a multiple of 16: a model that does not pad its tokens gets filled-up batches
         k = self.d.pp if self.d.vpp > 1 else 1
+        fill = 16 if self.cfg.train.precision == "fp8" and self.model.pad_to is None else 1
         for images, labels in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
                                            self.d.dp_rank, self.d.dp):
-            mbs = _split_padded(images, labels, k)
+            mbs = _split_padded(images, labels, k, fill)
             mb = len(mbs[0][1])
             out = self.forward_backward(
                 forward_step_func=self._forward_step,
