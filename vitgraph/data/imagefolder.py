@@ -59,19 +59,23 @@ def list_files(split_dir: str, classes: list[str]) -> tuple[list[str], list[int]
     return paths, labels
 
 
+def resize_crop(im: Image.Image, size: int) -> np.ndarray:
+    """An RGB image with its shorter side resized to ``size`` (bicubic), center-cropped:
+    uint8 [size, size, 3]."""
+    w, h = im.size
+    scale = size / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    if (nw, nh) != (w, h):
+        im = im.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return np.asarray(im.crop((left, top, left + size, top + size)), dtype=np.uint8)
+
+
 def load_image(path: str, size: int) -> np.ndarray:
     """Decode to RGB, resize the shorter side to ``size``, center-crop: uint8 [size, size, 3]."""
     try:
         with Image.open(path) as im:
-            im = im.convert("RGB")
-            w, h = im.size
-            scale = size / min(w, h)
-            nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-            if (nw, nh) != (w, h):
-                im = im.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
-            left, top = (nw - size) // 2, (nh - size) // 2
-            im = im.crop((left, top, left + size, top + size))
-            return np.asarray(im, dtype=np.uint8)
+            return resize_crop(im.convert("RGB"), size)
     except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, bomb errors...
         raise DataError(f"cannot read image {path}: {e}") from None
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vitgraph.data.imagefolder import resize_crop
 from vitgraph.data.loader import DataError, ImageDataset
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -94,14 +95,7 @@ def decode_image(data: bytes, size: int, where: str = "") -> np.ndarray:
                 w, h = im.size
                 im.draft("RGB", (max(size, round(size * w / min(w, h))),
                                  max(size, round(size * h / min(w, h)))))
-            im = im.convert("RGB")
-            w, h = im.size
-            scale = size / min(w, h)
-            nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-            if (nw, nh) != (w, h):
-                im = im.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
-            left, top = (nw - size) // 2, (nh - size) // 2
-            return np.asarray(im.crop((left, top, left + size, top + size)), dtype=np.uint8)
+            return resize_crop(im.convert("RGB"), size)
     except Exception as e:
         raise DataError(f"cannot decode image {where}: {e}") from None
 
