@@ -38,14 +38,32 @@ def tiny_overrides(run_dir, steps=20, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-@pytest.fixture
-def env():
+def clean_env() -> dict:
+    """The environment for a vitgraph subprocess: this checkout first, no torchrun variables."""
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e["PYTHONWARNINGS"] = "ignore"
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(k, None)
     return e
+
+
+@pytest.fixture
+def env():
+    return clean_env()
+
+
+def checkpoint_tensors(step_dir) -> dict:
+    """Every tensor of a checkpoint (model and optimizer state) by its global key, read in
+    this process without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = dcp.FileSystemReader(str(step_dir / "dist"))
+    meta = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+           if isinstance(m, TensorStorageMetadata)}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
 
 
 def world_of_one(spec: str):

@@ -8,7 +8,7 @@ import torch
 
 from vitgraph.cli import main
 
-from conftest import ROOT, import_timm, tiny_overrides, vitgraph_cmd, world_of_one
+from conftest import ROOT, clean_env, import_timm, tiny_overrides, vitgraph_cmd, world_of_one
 
 dist1 = world_of_one("torch")
 
@@ -35,13 +35,7 @@ def trained(tmp_path_factory, env_module):
 
 @pytest.fixture(scope="module")
 def env_module():
-    import os
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
-    e["PYTHONWARNINGS"] = "ignore"
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(k, None)
-    return e
+    return clean_env()
 
 
 def test_version_configs_usage_and_cache(env, tmp_path, capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, tiny_overrides
+from conftest import ROOT, clean_env, free_port, tiny_overrides
 
 DEFAULT = str(ROOT / "configs" / "vit-tiny-shapes.yaml")
 # 32 images a step in 4 microbatches of 8 (per data-parallel rank: 32 / (8 x dp))
@@ -37,11 +37,7 @@ def torchrun(env, nproc: int, run_dir: Path, *extra: str, steps: int = STEPS) ->
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process: the curve every layout must reproduce."""
-    import os
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return torchrun(env, 1, tmp_path_factory.mktemp("one") / "run")
+    return torchrun(clean_env(), 1, tmp_path_factory.mktemp("one") / "run")
 
 
 def assert_same_curve(got: dict, ref: dict, steps=None):

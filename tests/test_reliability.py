@@ -17,7 +17,7 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import ROOT, free_port, tiny_overrides, vitgraph_cmd
+from conftest import ROOT, checkpoint_tensors, free_port, tiny_overrides, vitgraph_cmd
 from vitgraph.cli import main
 from vitgraph.config import ConfigError, load_config, save_config
 from vitgraph.parallel.setup import Dist
@@ -48,18 +48,6 @@ def payload_file(step_dir: Path) -> Path:
     """The largest file of a checkpoint's payload (a dist_checkpointing shard)."""
     return max((p for p in (step_dir / "dist").iterdir() if p.is_file()),
                key=lambda p: p.stat().st_size)
-
-
-def tensors(step_dir: Path) -> dict:
-    """Every tensor of a checkpoint (model and optimizer state) by its global key."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    reader = dcp.FileSystemReader(str(step_dir / "dist"))
-    meta = reader.read_metadata().state_dict_metadata
-    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-           if isinstance(m, TensorStorageMetadata)}
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return out
 
 
 def read_log(run_dir: Path) -> list[dict]:
@@ -351,7 +339,7 @@ def test_nan_steps_are_skipped_without_touching_weights_or_optimizer(tmp_path, c
     assert [log[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 0, 1, 2, 2, 2, 2]
     assert log[4]["loss"] is None and log[6]["loss"] > 0  # NaN kept out of the logged means
     ckpt = run_dir / "checkpoints"
-    a, b, c = (tensors(ckpt / f"step_{s:06d}") for s in (3, 5, 6))
+    a, b, c = (checkpoint_tensors(ckpt / f"step_{s:06d}") for s in (3, 5, 6))
     weights = [k for k in a if not k.startswith("optimizer.")]
     moments = [k for k in a if k.startswith("optimizer.state.")]
     assert weights and moments and a.keys() == b.keys()
@@ -420,7 +408,7 @@ def test_too_many_bad_steps_in_a_row_stop_and_keep_the_last_good_checkpoint(tmp_
     ckpt = run_dir / "checkpoints"
     assert [p.name for p in checkpoint.step_dirs(ckpt)] == ["step_000004"]
     assert checkpoint.verify(ckpt / "step_000004") == []
-    assert all(torch.isfinite(v).all() for v in tensors(ckpt / "step_000004").values())
+    assert all(torch.isfinite(v).all() for v in checkpoint_tensors(ckpt / "step_000004").values())
     assert not (run_dir / "metrics.json").exists()
 
 

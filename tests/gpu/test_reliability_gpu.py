@@ -6,22 +6,9 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, tiny_overrides, vitgraph_cmd
+from conftest import ROOT, checkpoint_tensors, tiny_overrides, vitgraph_cmd
 
 pytestmark = pytest.mark.gpu
-
-
-def _checkpoint_tensors(step_dir):
-    """Every tensor of a checkpoint (model and optimizer state, distributed optimizer's
-    fully_reshardable format) by its global key, read in this process without a group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    reader = dcp.FileSystemReader(str(step_dir / "dist"))
-    meta = reader.read_metadata().state_dict_metadata
-    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-           if isinstance(m, TensorStorageMetadata)}
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return out
 
 
 @pytest.mark.parametrize("extra", [[], ["graphs.enabled=true", "graphs.warmup_steps=1"]],
@@ -40,7 +27,7 @@ def test_bf16_nan_steps_are_skipped_on_gpu(tmp_path, env, extra):
     skipped = {x["step"]: x["skipped_steps"] for x in log if "skipped_steps" in x}
     assert [skipped[s] for s in range(1, 9)] == [0, 0, 0, 1, 2, 2, 2, 2]
     ckpt = run_dir / "checkpoints"
-    a, b, c = (_checkpoint_tensors(ckpt / f"step_{s:06d}") for s in (3, 5, 6))
+    a, b, c = (checkpoint_tensors(ckpt / f"step_{s:06d}") for s in (3, 5, 6))
     model = [k for k in a if not k.startswith("optimizer.")]
     optim = [k for k in a if k.startswith("optimizer.")]
     assert model and optim and a.keys() == b.keys()
