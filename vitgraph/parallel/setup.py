@@ -213,9 +213,9 @@ def build_model(cfg: Config, d: Dist, num_classes: int) -> list[ViT]:
                           "model.spec=torch on CPU")
     arch = resolve_arch(cfg.model)
     config = transformer_config(cfg, d)
-    pad = max(token_padding(cfg, cfg.train.micro_batch_size),
-              token_padding(cfg, cfg.train.eval_batch_size))
     # the padding mask costs a little in attention: only layers that may see padding get it
+    # (eval batches of other sizes are filled up instead: Trainer.evaluate)
+    pad = token_padding(cfg, cfg.train.micro_batch_size)
     layer_spec = get_layer_spec(spec, padding_mask=pad > 1)
     chunks = []
     for vp in range(d.vpp):
