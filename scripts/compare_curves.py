@@ -10,6 +10,7 @@ Exit code 1 when a difference exceeds --rtol (bf16 default 5e-2) or graphs never
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def load(path):
@@ -25,7 +26,8 @@ def main():
     curves = [load(f) for f in args.files]
     ref = curves[0]
     worst, ok = 0.0, True
-    print("step  " + "  ".join(f"{f.split('/')[-2][:12]:>12s}" for f in args.files))
+    names = [Path(f).parent.name if Path(f).name == "log.jsonl" else Path(f).stem for f in args.files]
+    print("step  " + "  ".join(f"{n[-12:]:>12s}" for n in names))
     for step in sorted(ref):
         row = [c[step]["loss"] if step in c else float("nan") for c in curves]
         print(f"{step:5d} " + "  ".join(f"{v:12.5f}" for v in row))

@@ -42,28 +42,44 @@ for s in "${steps[@]}"; do
       m=("${b16[@]}" data.num_train=2000 train.steps=50 train.global_batch_size=64
          train.micro_batch_size=8 train.log_every=5 train.eval_every=0 checkpoint.every=25
          checkpoint.keep=5 optim.warmup_steps=5)
-      tr() { local name=$1 n=$2; shift 2
+      tr() { local name=$1 n=$2 t0=$SECONDS; shift 2
         timeout 170 torchrun --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000)) \
           -m vitgraph train "${m[@]}" run.dir=/tmp/multi/$name "$@" > "$out/multi_$name.log" 2>&1
-        echo "$name: exit $?" | tee -a "$out/summary.txt"; }
-      tr one 1
-      tr pp2 2 parallel.pp=2
-      tr pp2_graphs 2 parallel.pp=2 graphs.enabled=true
-      tr tp2_sp 2 parallel.tp=2 parallel.sequence_parallel=true
-      tr dp2_distopt 2 parallel.distributed_optimizer=true
-      # the pp=2 run, rolled back to its step-25 checkpoint, resumes at dp=2
-      rm -rf /tmp/multi/pp2/checkpoints/step_000050 /tmp/multi/pp2/metrics.json
-      mv /tmp/multi/pp2/log.jsonl /tmp/multi/pp2_first.jsonl
-      tr pp2 2 parallel.distributed_optimizer=true
-      mv /tmp/multi/pp2/log.jsonl /tmp/multi/pp2_resumed_dp2.jsonl
-      tr pp2_vpp2_graphs 2 parallel.pp=2 parallel.vpp=2 graphs.enabled=true
+        echo "$name: exit $? ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"; }
+      # MULTI="name ..." runs a subset (default: all, in this order)
+      declare -A RUNS=(
+        [one]="1"
+        [pp2]="2 parallel.pp=2"
+        [pp2_graphs]="2 parallel.pp=2 graphs.enabled=true"
+        [tp2_sp]="2 parallel.tp=2 parallel.sequence_parallel=true"
+        [tp2_sp_graphs]="2 parallel.tp=2 parallel.sequence_parallel=true graphs.enabled=true"
+        [dp2_distopt]="2 parallel.distributed_optimizer=true"
+        [pp2_vpp2]="2 parallel.pp=2 parallel.vpp=2 parallel.timeout_minutes=1"
+        [pp2_vpp2_graphs]="2 parallel.pp=2 parallel.vpp=2 graphs.enabled=true parallel.timeout_minutes=1"
+        [pp2_step]="2 parallel.pp=2 graphs.enabled=true graphs.scope=step"
+        [dp2_step]="2 graphs.enabled=true graphs.scope=step"
+        [pp2_te]="2 parallel.pp=2 graphs.enabled=true graphs.impl=te")
+      names=(${MULTI:-one pp2 pp2_graphs tp2_sp tp2_sp_graphs dp2_distopt pp2_vpp2 pp2_vpp2_graphs pp2_step dp2_step pp2_te resume})
       d=/tmp/multi
-      python scripts/compare_curves.py $d/one/log.jsonl $d/pp2_first.jsonl $d/pp2_graphs/log.jsonl \
-        $d/pp2_vpp2_graphs/log.jsonl $d/tp2_sp/log.jsonl $d/dp2_distopt/log.jsonl \
-        $d/pp2_resumed_dp2.jsonl 2>&1 | tee "$out/multi_curves.txt"
-      # graphs equal eager (same layout): far tighter than the bf16 layout tolerance
-      python scripts/compare_curves.py $d/pp2_first.jsonl $d/pp2_graphs/log.jsonl --rtol 2e-3 \
-        2>&1 | tail -3 | tee -a "$out/multi_curves.txt" ;;
+      for name in "${names[@]}"; do
+        if [ "$name" = resume ]; then
+          # the pp=2 run, rolled back to its step-25 checkpoint, resumes at dp=2
+          rm -rf $d/pp2/checkpoints/step_000050 $d/pp2/metrics.json
+          mv $d/pp2/log.jsonl $d/pp2_first.jsonl
+          tr pp2 2 parallel.distributed_optimizer=true
+          mv $d/pp2/log.jsonl $d/pp2_resumed_dp2.jsonl
+          cp $d/pp2_first.jsonl "$out/multi_pp2.jsonl"
+          cp $d/pp2_resumed_dp2.jsonl "$out/multi_pp2_resumed_dp2.jsonl"
+          continue
+        fi
+        tr $name ${RUNS[$name]}
+        cp $d/$name/log.jsonl "$out/multi_$name.jsonl" 2>/dev/null
+      done
+      ls $out/multi_*.jsonl
+      # against the one-GPU curve (MULTI_REF: another file when `one` is not in this subset)
+      ref=${MULTI_REF:-$out/multi_one.jsonl}
+      python scripts/compare_curves.py "$ref" $(ls "$out"/multi_*.jsonl | grep -v "^$ref$") 2>&1 \
+        | tee "$out/multi_curves.txt" ;;
     resume-optim)
       r=("${b16[@]}" data.num_train=4000 train.steps=30 train.global_batch_size=64
          train.micro_batch_size=64 train.log_every=3 train.eval_every=0 checkpoint.every=15

@@ -127,7 +127,7 @@ def test_tree_rejects_objects():
 
 @pytest.mark.parametrize("key,value", [
     ("impl", "cuda"), ("on_new_shape", "skip"), ("warmup_steps", -1), ("max_slots", 0),
-    ("scope", "step"), ("enabled", "yes"), ("capture_warmup_iters", 1.5),
+    ("scope", "model"), ("enabled", "yes"), ("capture_warmup_iters", 1.5),
 ])
 def test_config_rejects(key, value):
     with pytest.raises(ValueError, match=rf"graphs\.{key}"):
@@ -891,3 +891,62 @@ def test_for_model_disabled_is_inert():
     mgr.reset()
     mgr.restore()
     assert mgr.stats()["enabled"] is False
+
+
+# ---------------------------------------------------------------- graphs.scope: step
+
+def _step_graphs(**cfg):
+    from vitgraph.graphs import RerunBackend, StepGraphs
+    return StepGraphs(GraphsConfig(enabled=True, scope="step", **cfg), backend=RerunBackend())
+
+
+def test_step_graphs_warm_up_capture_and_replay_with_new_inputs():
+    """Eager for warmup_steps, then one capture; every later step copies its inputs into the
+    static buffers, runs the body's work once and returns this step's results."""
+    sg = _step_graphs(warmup_steps=2)
+    w = torch.zeros(())
+    calls = []
+
+    def body(inputs):
+        calls.append(1)
+        w.add_(inputs[0][0].sum())  # a side effect, as an optimizer update
+        return [inputs[0][0] * 2, w.clone()]
+
+    for step in range(5):
+        sg.step_begin(step)
+        out = sg.run([(torch.full((3,), float(step)),)], body)
+        assert torch.equal(out[0], torch.full((3,), 2.0 * step))
+    # each step's work ran exactly once (the rerun backend's capture is the step itself)
+    assert len(calls) == 5 and w.item() == 3 * (0 + 1 + 2 + 3 + 4)
+    s = sg.stats()
+    assert (s["graphs"], s["captures"], s["replays"], s["eager_fallbacks"]["eager_steps"]) == (1, 1, 3, 2)
+
+
+@pytest.mark.parametrize("policy", ["capture", "eager"])
+def test_step_graphs_new_shape_policy(policy):
+    sg = _step_graphs(warmup_steps=0, on_new_shape=policy)
+    body = lambda inputs: [inputs[0][0] + 1]  # noqa: E731
+    for n in (4, 4, 6, 6):
+        sg.step_begin()
+        assert torch.equal(sg.run([(torch.zeros(n),)], body)[0], torch.ones(n))
+    s = sg.stats()
+    assert s["graphs"] == (2 if policy == "capture" else 1)
+    assert s["unseen_shapes"] == (0 if policy == "capture" else 1)
+
+
+def test_step_graphs_reset_warms_up_and_captures_again():
+    sg = _step_graphs(warmup_steps=1)
+    body = lambda inputs: [inputs[0][0] * 3]  # noqa: E731
+    for _ in range(3):
+        sg.step_begin()
+        sg.run([(torch.ones(2),)], body)
+    assert sg.active and sg.stats()["captures"] == 1
+    sg.reset()
+    assert not sg.active
+    sg.step_begin()
+    sg.run([(torch.ones(2),)], body)  # warm-up again: eager
+    assert not sg.active
+    sg.step_begin()
+    sg.run([(torch.ones(2),)], body)
+    s = sg.stats()
+    assert sg.active and s["captures"] == 2 and s["recaptures"]["reset"] == 1

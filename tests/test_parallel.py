@@ -55,6 +55,8 @@ LAYOUTS = {
     "pp2-vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
     "pp2-vpp2-graphs": (2, ["parallel.pp=2", "parallel.vpp=2", "graphs.enabled=true",
                             "graphs.warmup_steps=2"]),
+    "pp2-vpp2-step-graphs": (2, ["parallel.pp=2", "parallel.vpp=2", "graphs.enabled=true",
+                                 "graphs.scope=step", "graphs.warmup_steps=2"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
 }
 

@@ -1,4 +1,5 @@
-"""Per-layer CUDA graphs for megatron-core TransformerLayers (see manager.py).
+"""CUDA graphs for megatron-core models: per TransformerLayer (manager.py, graphs.scope=layer)
+or the whole training step (step.py, graphs.scope=step).
 
     from vitgraph.graphs import GraphManager, GraphsConfig
     manager = GraphManager.for_model(model_chunks, GraphsConfig(enabled=True))
@@ -9,6 +10,7 @@ from .callable import GraphedCallable
 from .config import GraphsConfig
 from .cudnn import attention_report, te_attention_backend, warn_if_fallback
 from .manager import GraphManager, find_transformer_layers
+from .step import StepGraphs
 from .te_impl import TEGraphedCallable
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "TEGraphedCallable",
     "GraphsConfig",
     "GraphManager",
+    "StepGraphs",
     "find_transformer_layers",
     "attention_report",
     "te_attention_backend",

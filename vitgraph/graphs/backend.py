@@ -206,6 +206,7 @@ class RerunBackend(CaptureBackend):
     """CPU stand-in for CUDA graphs: capture = run once, replay = run again + copy results."""
 
     name = "rerun"
+    capture_runs = True  # capture executes fn (CUDA capture only records it)
 
     def __init__(self) -> None:
         self.captures = 0

@@ -4,8 +4,11 @@
       enabled: true        # capture each encoder layer's forward + backward as CUDA graphs
       impl: local          # local: vitgraph's own capture on torch.cuda.CUDAGraph
                            # te:    Transformer Engine's make_graphed_callables (needed for FP8)
-      scope: layer         # one graph pair per TransformerLayer (the only scope so far)
-      warmup_steps: 3      # eager training steps before the first capture
+      scope: layer         # layer: one graph pair per TransformerLayer (impl applies)
+                           # step:  the whole optimizer step as one graph per input shape
+                           #        (forward, backward, gradient reduction, clipping, update;
+                           #        no host sync in a step; see step.py)
+      warmup_steps: 3      # eager training steps before the first capture (also after a reset)
       on_new_shape: capture  # an input shape first seen after the capture step:
                              #   capture -> capture it too;  eager -> run that shape eagerly
       max_slots: 8         # graph copies per layer and shape: microbatches in flight at once
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 IMPLS = ("local", "te")
-SCOPES = ("layer",)
+SCOPES = ("layer", "step")
 ON_NEW_SHAPE = ("capture", "eager")
 
 
@@ -43,7 +46,7 @@ class GraphsConfig:
         if self.impl not in IMPLS:
             raise bad("impl", self.impl, f"must be one of {', '.join(IMPLS)}")
         if self.scope not in SCOPES:
-            raise bad("scope", self.scope, f"must be one of {', '.join(SCOPES)} (only per-layer graphs exist)")
+            raise bad("scope", self.scope, f"must be one of {', '.join(SCOPES)}")
         if self.on_new_shape not in ON_NEW_SHAPE:
             raise bad("on_new_shape", self.on_new_shape, f"must be one of {', '.join(ON_NEW_SHAPE)}")
         for key, lo in (("warmup_steps", 0), ("max_slots", 1), ("capture_warmup_iters", 0)):

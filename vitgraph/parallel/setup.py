@@ -184,10 +184,12 @@ def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
         fp8_amax_compute_algo="max",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=fuse_wgrad, persist_layer_norm=False,
-        # p2p between pipeline stages: on CPU avoid the CUDA-stream sync
-        # interleaved: overlap p2p with compute as Megatron-LM does (not batched then)
-        batch_p2p_comm=d.cuda and d.vpp == 1, overlap_p2p_comm=d.cuda and d.vpp > 1,
-        batch_p2p_sync=d.cuda,
+        # p2p between pipeline stages: batched (one batch_isend_irecv per exchange), or with
+        # parallel.overlap_p2p_comm (interleaved only) posted one by one and overlapped with
+        # compute. No device-wide sync after a batch (megatron's workaround for old PyTorch; a
+        # sync cannot be captured in a whole-step graph)
+        batch_p2p_comm=d.cuda and not p.overlap_p2p_comm, overlap_p2p_comm=d.cuda and p.overlap_p2p_comm,
+        batch_p2p_sync=False,
     )
 
 
@@ -277,7 +279,10 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
                         "parallel.distributed_optimizer=true pads every one.", len(bad),
                         ", ".join(bad[:3]))
     graphs = None
-    if cfg.graphs.enabled:
+    if cfg.graphs.enabled and cfg.graphs.scope == "step":
+        from vitgraph.graphs import StepGraphs
+        graphs = StepGraphs(cfg.graphs, barrier=dist.barrier)
+    elif cfg.graphs.enabled:
         from vitgraph.graphs import GraphManager
         graphs = GraphManager.for_model(wrapped, cfg.graphs)
     return wrapped, graphs

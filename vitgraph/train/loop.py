@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
 from vitgraph.data.augment import BatchAugment, prepare_batch
+from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import resolve_spec
 from vitgraph.models.vit import unwrap, vit_flops_per_image
@@ -89,7 +90,7 @@ def _split_padded(images, labels, k: int, multiple: int = 1) -> list:
 
 
 class Trainer:
-    _nan_now = False  # test-only fault injection (train.inject_nan_steps): poison this step's loss
+    _fault = None  # test-only fault injection (train.inject_nan_steps): a device scalar
     _saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
     stops: StopRequests | None = None
 
@@ -184,14 +185,26 @@ class Trainer:
             return f"fp8 ({self.cfg.train.fp8_recipe} scaling) + bf16"
         return "bf16" if self.bf16 else "fp32"
 
+    def _prepare(self, images, labels, key, model=None):
+        """One microbatch as the model takes it: (input, targets, labels) on the device.
+        ``key`` = (step, microbatch) for training (augmented when data.augment is on; targets
+        may come back mixed, i.e. soft), None for eval."""
+        models = [model] if model is not None else self.chunks  # None: for any chunk here
+        pre_process = any(unwrap(m).pre_process for m in models)
+        # Float16Module casts to bf16 on GPU; keep fp32 here
+        x, targets = prepare_batch(self.augment, images, labels, key, self.arch.image_size,
+                                   self.d.device, torch.float32, pre_process)
+        return x, targets, labels.to(self.d.device, non_blocking=True)
+
+    def _feed(self, raw: list, model):
+        """The schedule's data iterator for one model chunk: ``raw`` [((images, labels), key)]
+        prepared one microbatch at a time, as the schedule asks."""
+        for (images, labels), key in raw:
+            yield self._prepare(images, labels, key, model)
+
     def _forward_step(self, data_iterator, model, label_smoothing=0.0):
         """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
-        images, labels, key = next(data_iterator)  # key: (step, microbatch); None in eval
-        # Float16Module casts to bf16 on GPU; keep fp32 here. Training microbatches are
-        # augmented on the device when data.augment is on; targets may come back mixed (soft)
-        x, targets = prepare_batch(self.augment, images, labels, key, self.arch.image_size,
-                                   self.d.device, torch.float32, unwrap(model).pre_process)
-        labels = labels.to(self.d.device, non_blocking=True)
+        x, targets, labels = next(data_iterator)
         if targets.is_floating_point():
             label_smoothing = 0.0  # folded into the mixed targets
         out = model(x)
@@ -202,8 +215,8 @@ class Trainer:
             n = valid.sum()
             loss = F.cross_entropy(output, targets, label_smoothing=label_smoothing,
                                    ignore_index=-1)
-            if self._nan_now:
-                loss = loss * float("nan")
+            if self._fault is not None:  # train.inject_nan_steps: 1, or NaN at a chosen step
+                loss = loss * self._fault
             correct = ((output.argmax(-1) == labels) & valid).sum()
             # the schedule divides `loss` in place by the number of microbatches: log a clone
             total = torch.where(n > 0, loss.detach().clone() * n, 0.0)
@@ -219,27 +232,46 @@ class Trainer:
         dist.all_reduce(stats)
         return stats / self.d.tp
 
-    def train_step(self, batches) -> tuple[torch.Tensor, float, bool]:
+    def train_step(self, batches) -> tuple[torch.Tensor, object, object]:
         """One optimizer step over ``batches`` (this rank's microbatches): zero grads, the
         schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
-        summed over microbatches, grad norm, whether the step was applied)."""
+        summed over microbatches, grad norm, whether the step was applied); the last two are
+        device tensors with graphs.scope=step (nothing is read on the host then)."""
+        keys = [(self.step, i) for i in range(len(batches))]
+        if isinstance(self.graphs, StepGraphs):
+            self.optimizer.load_lr()
+            inputs = [self._prepare(im, lb, k) for (im, lb), k in zip(batches, keys)]
+            stats, grad_norm, ok = self.graphs.run(inputs, self._step_body)
+            self.scheduler.step(increment=1)  # a skipped step is only known on the device
+            return stats, grad_norm, ok
+        # eager: each microbatch is prepared when the schedule asks for it
+        data = [((im, lb), k) for (im, lb), k in zip(batches, keys)]
+        stats, grad_norm, ok = self._step_body(data, lazy=True)
+        if ok:
+            self.scheduler.step(increment=1)
+        return stats, float(grad_norm or 0.0), ok
+
+    def _step_body(self, data: list, lazy: bool = False) -> list:
+        """What graphs.scope=step captures: [stats, grad norm, ok] from prepared microbatches
+        (``lazy``: raw ones, prepared as the schedule reaches them)."""
         if self.d.cuda:
             for w in self.wrapped:
                 w.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mb = len(batches[0][1])
+        mb = len(data[0][0][1]) if lazy else len(data[0][2])
+
         out = self.forward_backward(
             forward_step_func=partial(self._forward_step,
                                       label_smoothing=self.cfg.train.label_smoothing),
-            data_iterator=[iter([(im, lb, (self.step, i)) for i, (im, lb) in enumerate(batches)])
-                           for _ in self.wrapped],
-            model=self.wrapped, num_microbatches=len(batches),
+            data_iterator=[self._feed(data, w) if lazy else iter(data) for w in self.wrapped],
+            model=self.wrapped, num_microbatches=len(data),
             seq_length=self.model.padded_len(mb), micro_batch_size=mb, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
         stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
-        return stats, float(grad_norm or 0.0), ok
+        if lazy:
+            return [stats, grad_norm, ok]
+        return [stats, torch.as_tensor(grad_norm, dtype=torch.float32, device=self.d.device),
+                torch.as_tensor(ok, device=self.d.device)]
 
     @torch.no_grad()
     def evaluate(self, dataset=None) -> dict:
@@ -257,7 +289,8 @@ class Trainer:
             mb = len(mbs[0][1])
             out = self.forward_backward(
                 forward_step_func=self._forward_step,
-                data_iterator=[iter([(im, lb, None) for im, lb in mbs]) for _ in self.wrapped],
+                data_iterator=[self._feed([((im, lb), None) for im, lb in mbs], w)
+                               for w in self.wrapped],
                 model=self.wrapped, num_microbatches=k, seq_length=self.model.padded_len(mb),
                 micro_batch_size=mb, forward_only=True)
             for o in out:
@@ -330,6 +363,8 @@ class Trainer:
             self.stops = StopRequests().install()
         health = StepHealth(t.max_bad_steps)
         nan_steps = parse_steps(t.inject_nan_steps)
+        if nan_steps:
+            self._fault = torch.ones((), device=d.device)
         progress = Progress(self.total_steps, self.step, t.progress and d.rank == 0)
         window = torch.zeros(3, device=d.device)
         window_steps, window_norm, window_good = 0, 0.0, 0
@@ -338,7 +373,8 @@ class Trainer:
         while self.step < self.total_steps:
             if self.graphs is not None:
                 self.graphs.step_begin(self.step)
-            self._nan_now = self.step + 1 in nan_steps
+            if self._fault is not None:
+                self._fault.fill_(nan if self.step + 1 in nan_steps else 1.0)
             stats, grad_norm, ok = self.train_step(self.loader.next_step())
             self.step += 1
             window_steps += 1

@@ -38,6 +38,9 @@ class CpuOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
+    def load_lr(self) -> None:
+        """graphs.scope=step: nothing to do; the CPU rerun backend re-runs the Python step."""
+
     def zero_grad(self, set_to_none: bool = True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -101,8 +104,122 @@ class CpuOptimizer:
         return sd
 
 
+class CapturableAdamW(torch.optim.AdamW):
+    """torch's fused AdamW with ``capturable=True``, as the inner optimizer of a megatron-core
+    optimizer when the whole step is a CUDA graph (TE's FusedAdam steps with a host-side
+    count). The LR may be a device tensor; ``found_inf`` (a device flag) skips the update in
+    the kernel. ``state_dict`` / ``load_state_dict`` use TE FusedAdam's layout (the step count
+    in the param group, none per parameter), which megatron's checkpoint code expects when TE
+    is installed, so checkpoints move freely between graphs.scope=step and the other scopes."""
+
+    def __init__(self, param_groups: list, **defaults):
+        torch_keys = ("capturable", "fused", "foreach", "differentiable", "amsgrad", "maximize",
+                      "decoupled_weight_decay")
+        groups = [{k: v for k, v in g.items() if k not in torch_keys} for g in param_groups]
+        super().__init__(groups, fused=True, capturable=True, **defaults)
+
+    def complete_state(self) -> None:
+        """Every parameter's state, with its step count as a device tensor (megatron creates
+        moments without a step, and puts a loaded step count in the param group). Eager only."""
+        for g in self.param_groups:
+            step = g.pop("step", None)
+            for p in g["params"]:
+                st = self.state[p]
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if step is not None or "step" not in st:
+                    st["step"] = torch.tensor(float(step or 0), dtype=torch.float32, device=p.device)
+
+    def step(self, closure=None):
+        if not torch.cuda.is_current_stream_capturing():
+            self.complete_state()
+        return super().step(closure)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        steps = {float(st.pop("step")) for st in sd["state"].values() if "step" in st}
+        for g in sd["param_groups"]:
+            if torch.is_tensor(g["lr"]):
+                g["lr"] = float(g["lr"])
+            if steps and g["params"]:
+                g["step"] = int(max(steps))
+        return sd
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self.complete_state()
+
+
+class SyncFreeStep:
+    """megatron-core's optimizer step with no host sync, so it can be captured in a CUDA
+    graph (graphs.scope=step). Same contract as ``optimizer.step()``: ``(ok, grad_norm, None)``,
+    here as device tensors.
+
+    megatron's own step reads the gradient norm on the host (clipping, and vitgraph's skip of
+    non-finite steps); here the norm is reduced over megatron's grad-stats group and clipping
+    multiplies by a device factor. A non-finite norm sets ``found_inf`` and the fused kernel
+    leaves weights, moments and step counts as they were; the LR schedule still advances by
+    one (the host cannot know). Uses megatron's pieces for the rest: ``prepare_grads`` (main
+    gradients), ``get_main_grads_for_grad_norm`` (each shared gradient counted once) and
+    ``step_with_ready_grads`` (inner step, bf16 copy, parameter all-gather)."""
+
+    def __init__(self, optimizer, clip_grad: float):
+        self.optimizer = optimizer
+        self.parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+        self.clip = clip_grad
+        for part in self.parts:
+            inner = part.optimizer
+            d = inner.defaults
+            part.optimizer = CapturableAdamW(inner.param_groups, lr=d["lr"], betas=d["betas"],
+                                             eps=d["eps"], weight_decay=d["weight_decay"])
+        dev = torch.device("cuda", torch.cuda.current_device())
+        self.found_inf = torch.zeros(1, device=dev)
+        self._lrs = [torch.zeros((), device=dev) for part in self.parts
+                     for _ in part.optimizer.param_groups]
+
+    def _groups(self):
+        return [g for part in self.parts for g in part.optimizer.param_groups]
+
+    def load_lr(self) -> None:
+        """Eager, before each step (or its replay): the schedule's LR into the device tensors."""
+        for t, g in zip(self._lrs, self._groups()):
+            t.fill_(float(g["lr"]))
+
+    @torch.no_grad()
+    def step(self):
+        for part in self.parts:
+            part.prepare_grads()
+        grads = [g for part in self.parts for g in part.get_main_grads_for_grad_norm()]
+        sq = (torch.stack(torch._foreach_norm(grads)).square().sum() if grads
+              else torch.zeros((), device=self.found_inf.device))
+        torch.distributed.all_reduce(sq, group=self.parts[0].get_grad_stats_parallel_group())
+        norm = sq.sqrt()
+        self.found_inf.copy_(torch.isfinite(norm).logical_not().reshape(1))
+        if self.clip > 0:
+            coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
+            main = [p.grad for part in self.parts for p in part.get_parameters()
+                    if p.grad is not None]
+            if main:
+                torch._foreach_mul_(main, coef)
+        floats = []
+        for t, g in zip(self._lrs, self._groups()):
+            floats.append(g["lr"])
+            g["lr"] = t
+        try:
+            for part in self.parts:
+                part.optimizer.found_inf = self.found_inf
+                part.step_with_ready_grads()
+        finally:
+            for f, g in zip(floats, self._groups()):
+                g["lr"] = f
+        return self.found_inf[0] == 0, norm, None
+
+
 def build_optimizer(chunks: list, cfg: Config, cuda: bool):
-    """``chunks``: this rank's (wrapped) model chunks."""
+    """``chunks``: this rank's (wrapped) model chunks. With graphs.scope=step on GPU the
+    megatron optimizer's ``step`` is replaced by a ``SyncFreeStep`` (its ``load_lr`` is
+    called before every step)."""
     o = cfg.optim
     if not cuda:
         return CpuOptimizer(chunks, cfg)
@@ -120,6 +237,10 @@ def build_optimizer(chunks: list, cfg: Config, cuda: bool):
         name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))
     optimizer = get_megatron_optimizer(
         ocfg, chunks, config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
+    if cfg.graphs.enabled and cfg.graphs.scope == "step":
+        sync_free = SyncFreeStep(optimizer, o.clip_grad)
+        optimizer.step, optimizer.load_lr = sync_free.step, sync_free.load_lr
+        return optimizer
     # megatron's bf16 optimizer steps on a NaN gradient norm: skip such steps instead
     from vitgraph.train.health import skip_nonfinite_steps
     return skip_nonfinite_steps(optimizer)
