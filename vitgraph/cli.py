@@ -3,7 +3,9 @@ torchrun)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -51,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if hasattr(signal, "SIGUSR2"):
+        # `kill -USR2 PID` prints every thread's Python stack to stderr: where a hung rank waits
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     if args.command == "models":
         from vitgraph.models.registry import ALIASES, MODELS
         for name, a in MODELS.items():

@@ -174,7 +174,7 @@ class SyncFreeStep:
             part.optimizer = CapturableAdamW(inner.param_groups, lr=d["lr"], betas=d["betas"],
                                              eps=d["eps"], weight_decay=d["weight_decay"])
         dev = torch.device("cuda", torch.cuda.current_device())
-        self.found_inf = torch.zeros(1, device=dev)
+        self.found_inf = torch.zeros((), device=dev)  # 0-dim, as the fused kernel's step counts
         self._lrs = [torch.zeros((), device=dev) for part in self.parts
                      for _ in part.optimizer.param_groups]
 
@@ -195,7 +195,7 @@ class SyncFreeStep:
               else torch.zeros((), device=self.found_inf.device))
         torch.distributed.all_reduce(sq, group=self.parts[0].get_grad_stats_parallel_group())
         norm = sq.sqrt()
-        self.found_inf.copy_(torch.isfinite(norm).logical_not().reshape(1))
+        self.found_inf.copy_(torch.isfinite(norm).logical_not())
         if self.clip > 0:
             coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
             main = [p.grad for part in self.parts for p in part.get_parameters()
@@ -213,7 +213,7 @@ class SyncFreeStep:
         finally:
             for f, g in zip(floats, self._groups()):
                 g["lr"] = f
-        return self.found_inf[0] == 0, norm, None
+        return self.found_inf == 0, norm, None
 
 
 def build_optimizer(chunks: list, cfg: Config, cuda: bool):
