@@ -82,3 +82,35 @@ def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env):
         assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-6), (s, got[s], ref[s])
 
 
+
+
+def test_capturable_adamw_checkpoints_in_te_layout_without_touching_live_state():
+    """graphs.scope=step's inner optimizer: its state dict carries the step count in the param
+    group (TE FusedAdam's layout, which megatron's checkpoint code expects) and saving leaves
+    the live state alone -- a captured step keeps using those step tensors (a GPU test caught
+    the first version popping them). Loading puts a device-side step back on every parameter."""
+    import torch
+    from vitgraph.train.optim import CapturableAdamW
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = CapturableAdamW([{"params": params, "wd_mult": 0.0}], lr=1e-3, betas=(0.9, 0.99),
+                          eps=1e-8, weight_decay=0.0)
+    opt.complete_state()
+    for p in params:
+        opt.state[p]["step"].fill_(7)
+        opt.state[p]["exp_avg"].fill_(0.5)
+    live = {id(p): opt.state[p]["step"] for p in params}
+    sd = opt.state_dict()
+    assert all(opt.state[p]["step"] is live[id(p)] for p in params)  # untouched
+    assert sd["param_groups"][0]["step"] == 7 and sd["param_groups"][0]["wd_mult"] == 0.0
+    assert all("step" not in st for st in sd["state"].values())
+    other = CapturableAdamW([{"params": [torch.nn.Parameter(torch.zeros(3)),
+                                         torch.nn.Parameter(torch.zeros(2))], "wd_mult": 0.0}],
+                            lr=1e-3)
+    other.load_state_dict(sd)
+    for p in other.param_groups[0]["params"]:
+        assert float(other.state[p]["step"]) == 7 and other.state[p]["exp_avg"][0] == 0.5
+    assert "step" not in other.param_groups[0]
+    # megatron's distributed optimizer loads the moments separately: a group step, no state
+    bare = CapturableAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=1e-3)
+    bare.load_state_dict({"state": {}, "param_groups": [{**sd["param_groups"][0], "params": [0]}]})
+    assert float(bare.state[bare.param_groups[0]["params"][0]]["step"]) == 7

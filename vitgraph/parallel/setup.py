@@ -140,10 +140,23 @@ def seed_everything(seed: int, d: Dist, graphs: bool = False, te: bool = False) 
             force_reset_rng=True)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
+def shutdown(failed: bool = False) -> None:
+    """Tear down the process groups. ``failed``: this rank is leaving on an error, its peers
+    may be blocked in a collective with it; NCCL communicators are aborted, not destroyed
+    (destroying waited on the blocked peer, so the failing rank never exited and torchrun
+    never stopped the others: an interleaved-pipeline failure on two H200s hung that way)."""
+    if not dist.is_initialized():
+        return
+    ps.destroy_model_parallel()
+    if failed and dist.get_backend() == "nccl":
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+                return
+            except Exception:  # pragma: no cover - best effort; destroy below
+                pass
+    dist.destroy_process_group()
 
 
 def use_bf16(cfg: Config, d: Dist) -> bool:

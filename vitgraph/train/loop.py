@@ -490,7 +490,7 @@ class Trainer:
                 f"{s['pool_bytes'] / 2**20:.0f} MiB, replays {s['replays']}, eager calls "
                 f"{fallbacks}, unseen shapes {s['unseen_shapes']})")
 
-    def close(self, shutdown_dist: bool = True):
+    def close(self, shutdown_dist: bool = True, failed: bool = False):
         if self.stops is not None:
             self.stops.close()
         if self.writer is not None:
@@ -498,7 +498,7 @@ class Trainer:
         if self.graphs is not None:
             self.graphs.restore()
         if shutdown_dist:
-            shutdown()
+            shutdown(failed)
 
 
 def train(cfg: Config) -> dict:
@@ -512,7 +512,7 @@ def train(cfg: Config) -> dict:
         if is_rank0():
             print(done, flush=True)
         return done.metrics
-    trainer = None
+    trainer, failed = None, False
     stops = StopRequests().install()
     try:
         trainer = Trainer(cfg)
@@ -523,6 +523,7 @@ def train(cfg: Config) -> dict:
     except Preempted:
         raise
     except BaseException as e:
+        failed = True
         step = trainer.step if trainer is not None else None
         _log_failure(cfg, step)
         if isinstance(e, Exception) and not _users_input(e):
@@ -531,9 +532,9 @@ def train(cfg: Config) -> dict:
     finally:
         stops.close()
         if trainer is not None:
-            trainer.close()
+            trainer.close(failed=failed)
         else:
-            shutdown()
+            shutdown(failed)
 
 
 def _users_input(e: Exception) -> bool:

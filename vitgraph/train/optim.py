@@ -138,7 +138,11 @@ class CapturableAdamW(torch.optim.AdamW):
 
     def state_dict(self):
         sd = super().state_dict()
-        steps = {float(st.pop("step")) for st in sd["state"].values() if "step" in st}
+        # torch hands out the live per-parameter dicts: copy them, never pop from them (a
+        # captured step keeps using those step tensors)
+        steps = {float(st["step"]) for st in sd["state"].values() if "step" in st}
+        sd["state"] = {k: {n: v for n, v in st.items() if n != "step"}
+                       for k, st in sd["state"].items()}
         for g in sd["param_groups"]:
             if torch.is_tensor(g["lr"]):
                 g["lr"] = float(g["lr"])
@@ -147,7 +151,15 @@ class CapturableAdamW(torch.optim.AdamW):
         return sd
 
     def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
+        # TE layout in: torch wants a step on every parameter's state before it takes it
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        state = {k: dict(v) for k, v in state_dict["state"].items()}
+        for g in groups:
+            step = g.get("step")  # kept in the group too: complete_state gives it to all
+            for i in g["params"]:
+                if i in state and "step" not in state[i]:
+                    state[i]["step"] = torch.tensor(float(step or 0), dtype=torch.float32)
+        super().load_state_dict({**state_dict, "state": state, "param_groups": groups})
         self.complete_state()
 
 
