@@ -45,7 +45,9 @@ for s in "${steps[@]}"; do
       tr() { local name=$1 n=$2 t0=$SECONDS; shift 2
         timeout 170 torchrun --nproc-per-node "$n" --master-port $((29500 + RANDOM % 1000)) \
           -m vitgraph train "${m[@]}" run.dir=/tmp/multi/$name "$@" > "$out/multi_$name.log" 2>&1
-        echo "$name: exit $? ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"; }
+        echo "$name: exit $? ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"
+        # every rank's failure traceback is appended there (the terminal gets one line)
+        cp /tmp/multi/$name/train.log "$out/multi_${name}_train.log" 2>/dev/null; }
       # MULTI="name ..." runs a subset (default: all, in this order)
       declare -A RUNS=(
         [one]="1"
