@@ -72,3 +72,26 @@ def test_mean_pool_without_class_token(dist1):
     model, _ = build(dist1, "model.class_token=false", "model.pool=mean")
     assert model.num_prefix == 0
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_interleaved_chunks_tell_float16module_their_virtual_stage(dist1):
+    """megatron's Float16Module casts the input of the first virtual stage to bf16 and the output
+    of the last one to fp32, finding them from the chunk's ``vp_stage``. Without it, the first
+    chunk's fp32 images met bf16 conv weights: interleaved pipelines failed in their first step
+    on GPU (the CPU path runs fp32, without Float16Module)."""
+    import dataclasses
+    from megatron.core.transformer.module import Float16Module
+    from vitgraph.models.specs import get_layer_spec
+    from vitgraph.models.vit import ViT
+    from vitgraph.parallel.setup import transformer_config
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
+    tc = dataclasses.replace(transformer_config(cfg, dist1), bf16=True,
+                             params_dtype=torch.bfloat16, virtual_pipeline_model_parallel_size=2)
+    arch = resolve_arch(cfg.model)
+    first, last = (Float16Module(tc, ViT(tc, get_layer_spec("torch"), arch, 10, vp_stage=i,
+                                         pre_process=i == 0, post_process=i == 1))
+                   for i in range(2))
+    hidden = first(torch.randn(2, 3, 32, 32))  # fp32 images in: cast for the first stage
+    assert hidden.dtype == torch.bfloat16
+    last.set_input_tensor(hidden)
+    assert last(None).dtype == torch.float32  # logits back in fp32 from the last stage

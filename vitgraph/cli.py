@@ -53,9 +53,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if hasattr(signal, "SIGUSR2"):
+    if hasattr(signal, "SIGUSR2") and sys.__stderr__ is not None:
         # `kill -USR2 PID` prints every thread's Python stack to stderr: where a hung rank waits
-        faulthandler.register(signal.SIGUSR2, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+        except (OSError, ValueError):  # no file descriptor behind stderr (embedded callers)
+            pass
     if args.command == "models":
         from vitgraph.models.registry import ALIASES, MODELS
         for name, a in MODELS.items():

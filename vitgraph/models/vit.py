@@ -52,6 +52,9 @@ class ViT(MegatronModule):
                  head: str = "classifier", embed_dim: int | None = None,
                  patch_bias: bool = True):
         super().__init__(config=config)
+        # read by megatron's Float16Module to find the first / last virtual stage: without it
+        # the first chunk's input stayed fp32 under interleaving and its bf16 conv failed
+        self.vp_stage = vp_stage
         if head not in ("classifier", "proj", "map"):
             raise ValueError(f"head={head!r}: classifier | proj | map")
         if head == "proj" and not embed_dim:
