@@ -593,6 +593,26 @@ def test_bench_data_runs_on_cpu(tmp_path, env):
     assert result["provenance"]["torch"] == torch.__version__
 
 
+def test_shapes_imagefolder_holds_the_shapes_pixels(tmp_path):
+    """scripts/shapes_imagefolder.py: the shapes data as PNG files, pixel for pixel, in class
+    folders whose sorted order is the shapes label order."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from shapes_imagefolder import write_shapes_imagefolder
+    counts = write_shapes_imagefolder(str(tmp_path / "f"), num_train=40, num_val=12, seed=3,
+                                      workers=2, cache_dir=None)
+    assert counts == {"train": 40, "val": 12}
+    _, val = build_datasets(shapes_cfg(num_train=40, num_val=12, seed=3, cache_dir=None), seed=0)
+    folder = build_datasets(types.SimpleNamespace(kind="imagefolder", path=str(tmp_path / "f"),
+                                                  render_size=32, workers=1), seed=0)[1]
+    assert sorted(folder.labels.tolist()) == sorted(val.labels.tolist())
+    for path in (tmp_path / "f" / "val").rglob("*.png"):
+        i = int(path.stem)
+        assert path.parent.name.endswith(val.classes[int(val.labels[i])])
+        assert np.array_equal(np.asarray(Image.open(path)), val.images[i].numpy())
+
+
 def test_training_from_shards_with_augmentation(shards, tmp_path, env):
     import json
     import subprocess
