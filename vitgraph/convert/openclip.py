@@ -43,7 +43,7 @@ open_clip's ``VisionTransformer``.
 from __future__ import annotations
 
 from vitgraph.convert import tables
-from vitgraph.convert.tables import (MATMUL_PROJ, NO_BATCH_DIM, FLAT_TOKEN, ConvertError, Tower,
+from vitgraph.convert.tables import (FLAT_TOKEN, MATMUL_PROJ, NO_BATCH_DIM, ConvertError, Tower,
                                      check_empty)
 
 _LAYER = (
