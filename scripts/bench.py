@@ -125,7 +125,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     over += [f"train.global_batch_size={global_batch}", f"data.num_train={max(64, global_batch)}"]
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
     trainer = Trainer(cfg)
-    size = trainer.arch.image_size
+    size = trainer.task.image_size
     gen = torch.Generator().manual_seed(trainer.d.dp_rank)
     batches = [(torch.randint(0, 256, (mb, size, size, 3), dtype=torch.uint8, generator=gen),
                 torch.randint(0, num_classes, (mb,), generator=gen)) for _ in range(microbatches)]
@@ -143,7 +143,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
         if trainer.graphs is not None:
             extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
                                     if isinstance(v, (int, float, str, bool))}
-        flops = trainer.flops_per_image
+        flops = trainer.flops_per_sample
         p = cfg.parallel
         layout = f"tp{p.tp}pp{p.pp}" + (f"vpp{p.vpp}" if p.vpp > 1 else "") + f"dp{dp}"
         layout = layout.replace("tp1", "").replace("pp1", "") or "dp1"
