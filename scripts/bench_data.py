@@ -1,91 +1,73 @@
 #!/usr/bin/env python
-"""The input pipeline alone, in images per second: shards -> decoded, (augmented) model inputs
-on the device, no model.
+"""The input pipeline alone, in images per second: JPEG shards -> decoded, resized (and, with
+``--augment``, augmented) model inputs on the device, no model.
 
-    python scripts/bench_data.py --shards DIR [--decode cpu|cuda] [--workers 16] [--augment]
-    python scripts/bench_data.py --synthetic 4000 ...     # makes ImageNet-like JPEG shards first
+    python scripts/bench_data.py --out bench_data.json          # shards made here (~30 s on
+                                                                # 16 cores + an H200)
+    python scripts/bench_data.py --shards DIR [--decode cuda,cpu] [--workers 16] [--augment]
 
-Each timed step reads one batch of ``--batch`` images through ``MicrobatchLoader`` (shard-window
-shuffle, as training does), decodes them (PIL in ``--workers`` threads, or nvJPEG on the GPU),
-turns them into normalized ``--image-size`` inputs on the device (with ``--augment``, the DeiT
-recipe of ``data.augment``) and synchronizes. The loader prefetches nothing beyond what a step
-asks for, so the figure is what one process's input pipeline sustains by itself. ViT-B/16 on
-one H200 trains at ~3,300 img/s: the pipeline must beat that with room to spare.
-Writes ``--out`` JSON ({"provenance", "rows"}) when given.
+Without ``--shards`` it first makes its own: ``--images`` (4096) images of the embedded
+shapes data (``scripts/shapes_imagefolder.py``), resized to ``--jpeg-size`` (500x375,
+ImageNet's typical size) with +-40 pixel noise so that they compress like photos (~100 KB at
+quality 90; ImageNet's mean is ~110 KB), written as JPEG shards by ``scripts/make_shards.py``
+into a temporary folder under ``--tmp`` (removed at the end). No download, no dataset.
+
+Then, for each ``--decode`` mode (default: ``cuda`` (nvJPEG through
+``torchvision.io.decode_jpeg(device="cuda")``) when CUDA and torchvision are there, and
+``cpu`` (PIL in ``--workers`` threads) always), each timed step reads one batch of ``--batch``
+images through ``MicrobatchLoader`` (shard-window shuffle, as training does), decodes them,
+resizes their shorter side to ``--image-size`` and center-crops (as ``data.kind=webdataset``
+does), turns them into normalized fp32 inputs on the device and synchronizes. Nothing is
+prefetched beyond what a step asks for, so each figure is what one process's input pipeline
+sustains by itself. ViT-B/16 on one H200 trains at ~3,300 img/s: the pipeline must beat that.
+
+Prints one line per mode and writes ``--out`` ({"provenance", "rows"}: git commit, GPU,
+torch / torchvision / Pillow versions, CPU count, the shards, the command). A mode that fails
+(no nvJPEG, say) is reported with its error and the others still run; the exit code is 1 then.
 """
 from __future__ import annotations
 
 import argparse
-import io
+import datetime
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import types
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
 
 
-def make_synthetic_shards(out: str, n: int, width: int, height: int, shard_size: int) -> str:
-    """``n`` random-content JPEGs of width x height (ImageNet's mean is ~400x350), as shards."""
-    import subprocess
-    folder = os.path.join(out, "folder")
-    rng = np.random.default_rng(0)
-    base = rng.integers(0, 256, (height // 8, width // 8, 3), dtype=np.uint8)
-    for split, count in (("train", n), ("val", max(1, n // 50))):
-        for i in range(count):
-            d = os.path.join(folder, split, f"c{i % 10}")
-            os.makedirs(d, exist_ok=True)
-            # smooth image + noise: compresses like a photo (~100 KB at 500x375 q90)
-            img = Image.fromarray(np.roll(base, i, axis=1)).resize((width, height), Image.BILINEAR)
-            arr = np.asarray(img).astype(np.int16) + rng.integers(-20, 20, (height, width, 3))
-            Image.fromarray(arr.clip(0, 255).astype(np.uint8)).save(
-                os.path.join(d, f"{i:06d}.jpg"), "JPEG", quality=90)
-    shards = os.path.join(out, "shards")
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "make_shards.py"),
-                    folder, shards, "--shard-size", str(shard_size)], check=True)
-    return shards
+def make_shards(tmp: str, n: int, size: tuple[int, int], workers: int) -> tuple[str, dict]:
+    """``n`` shapes images as photo-like JPEGs, as shards under ``tmp``: (shards dir, info)."""
+    import make_shards as ms
+    from shapes_imagefolder import write_shapes_imagefolder
+    folder, shards = os.path.join(tmp, "folder"), os.path.join(tmp, "shards")
+    t0 = time.perf_counter()
+    write_shapes_imagefolder(folder, num_train=n, num_val=max(10, n // 50), fmt="jpg",
+                             size=size, noise=40, quality=90, workers=workers, cache_dir=None)
+    ms.main([folder, shards, "--shard-size", "512"])
+    jpegs = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(folder, "train")) for f in fs]
+    mean_kb = sum(os.path.getsize(p) for p in jpegs) / len(jpegs) / 1024
+    info = {"made": f"{n} shapes images as JPEG {size[0]}x{size[1]} quality 90, +-40 noise",
+            "mean_jpeg_kb": round(mean_kb, 1), "make_s": round(time.perf_counter() - t0, 1)}
+    return shards, info
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--shards", help="folder of train-*.tar shards (scripts/make_shards.py)")
-    src.add_argument("--synthetic", type=int, metavar="N", help="make N JPEG shards first")
-    ap.add_argument("--synthetic-size", default="500x375", help="WxH of the synthetic JPEGs")
-    ap.add_argument("--decode", default="auto", choices=("cpu", "cuda", "auto"))
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--render-size", type=int, default=None, help="decode size (default image size)")
-    ap.add_argument("--augment", action="store_true", help="the DeiT recipe on the device")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", help="write the result JSON here")
-    args = ap.parse_args(argv)
-
+def measure(root: str, decode: str, args, device: torch.device) -> dict:
     from vitgraph.data import MicrobatchLoader, build_datasets, to_model_input
     from vitgraph.data.augment import AugmentConfig, BatchAugment
-    from vitgraph.data.shards import resolve_decode
-
-    tmp = None
-    root = args.shards
-    if args.synthetic:
-        tmp = tempfile.mkdtemp(prefix="vitgraph-bench-data-")
-        w, h = (int(v) for v in args.synthetic_size.split("x"))
-        root = make_synthetic_shards(tmp, args.synthetic, w, h, shard_size=500)
-    decode = resolve_decode(args.decode)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = types.SimpleNamespace(kind="webdataset", path=root, render_size=args.render_size or
-                                args.image_size, workers=args.workers, decode=decode,
-                                shuffle_shards=4, num_train=0, num_val=0, num_classes=0,
-                                cache_dir=None)
+    cfg = types.SimpleNamespace(kind="webdataset", path=root, render_size=args.image_size,
+                                workers=args.workers, decode=decode, shuffle_shards=4,
+                                num_train=0, num_val=0, num_classes=0, cache_dir=None)
     train, _ = build_datasets(cfg, seed=0)
     loader = MicrobatchLoader(train, args.batch, 1, 0, 1, seed=0)
     augment = BatchAugment(AugmentConfig(enabled=True), args.image_size, len(train.classes),
@@ -104,29 +86,103 @@ def main(argv=None) -> int:
 
     for i in range(args.warmup):
         step(i)
-    t0 = time.perf_counter()
+    times = []
     for i in range(args.steps):
+        t0 = time.perf_counter()
         x = step(args.warmup + i)
-    dt = time.perf_counter() - t0
-    ips = args.steps * args.batch / dt
-    row = {"system": "vitgraph-data", "decode": decode, "workers": args.workers,
-           "augment": args.augment, "batch": args.batch, "image_size": args.image_size,
-           "render_size": cfg.render_size, "images_per_s": ips, "steps": args.steps,
-           "shape": list(x.shape)}
-    print(f"input pipeline: {ips:,.0f} img/s ({decode} decode, {args.workers} workers, "
-          f"batch {args.batch}, {args.image_size}px{', augment' if args.augment else ''})")
+        times.append(time.perf_counter() - t0)
+    ips = args.steps * args.batch / sum(times)
+    times.sort()
+    return {"system": "vitgraph-data", "decode": decode, "device": str(device),
+            "workers": args.workers, "augment": args.augment, "batch": args.batch,
+            "image_size": args.image_size, "images_per_s": round(ips, 1), "steps": args.steps,
+            "step_ms_median": round(1e3 * times[len(times) // 2], 2),
+            "step_ms_max": round(1e3 * times[-1], 2), "shape": list(x.shape)}
+
+
+def provenance(args, shards_info: dict, device: torch.device) -> dict:
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True,
+                                  timeout=10).stdout.strip() or None
+        except Exception:
+            return None
+
+    try:
+        import torchvision
+        tv = torchvision.__version__
+    except Exception as e:
+        tv = f"not importable ({type(e).__name__})"
+    import PIL
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(status),
+            "host": platform.node(), "python": platform.python_version(),
+            "torch": torch.__version__, "torchvision": tv, "pillow": PIL.__version__,
+            "cuda": torch.version.cuda, "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+            "shards": shards_info, "command": " ".join([sys.executable, *sys.argv])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", help="folder of train-*.tar shards (default: make them)")
+    ap.add_argument("--images", type=int, default=4096, help="images to make without --shards")
+    ap.add_argument("--jpeg-size", default="500x375", help="WxH of the JPEGs made")
+    ap.add_argument("--tmp", default=tempfile.gettempdir(), help="where to make them")
+    ap.add_argument("--decode", default=None,
+                    help="comma-separated modes: cuda (nvJPEG), cpu (PIL threads); default "
+                         "cuda,cpu with CUDA and torchvision, else cpu")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--augment", action="store_true", help="the DeiT recipe on the device")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", help="write the result JSON here")
+    args = ap.parse_args(argv)
+
+    from vitgraph.data.shards import resolve_decode
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    modes = (args.decode.split(",") if args.decode else
+             (["cuda", "cpu"] if resolve_decode("auto") == "cuda" else ["cpu"]))
+    t_start = time.perf_counter()
+    tmp = None
+    if args.shards:
+        root, info = args.shards, {"path": os.path.abspath(args.shards)}
+    else:
+        tmp = tempfile.mkdtemp(prefix="vitgraph-bench-data-", dir=args.tmp)
+        w, h = (int(v) for v in args.jpeg_size.split("x"))
+        root, info = make_shards(tmp, args.images, (w, h), args.workers)
+        print(f"made {args.images} JPEGs ({info['mean_jpeg_kb']:.0f} KB mean) as shards in "
+              f"{root} ({info['make_s']:.1f}s)", flush=True)
+    rows, failed = [], False
+    try:
+        for mode in modes:
+            try:
+                row = measure(root, mode, args, device)
+            except Exception as e:  # report it, go on with the other modes
+                failed = True
+                row = {"system": "vitgraph-data", "decode": mode, "error": f"{type(e).__name__}: {e}"}
+                print(f"{mode} decode: FAILED: {row['error']}", flush=True)
+            else:
+                print(f"input pipeline: {row['images_per_s']:,.0f} img/s ({mode} decode, "
+                      f"{args.workers} workers, batch {args.batch}, {args.image_size}px"
+                      f"{', augment' if args.augment else ''}; step median "
+                      f"{row['step_ms_median']:.1f} ms, max {row['step_ms_max']:.1f} ms)",
+                      flush=True)
+            rows.append(row)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
     if args.out:
-        prov = {"host": platform.node(), "python": platform.python_version(),
-                "torch": torch.__version__, "cpus": os.cpu_count(),
-                "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-                "shards": root if not args.synthetic else f"synthetic {args.synthetic} x "
-                f"{args.synthetic_size} JPEG q90", "command": " ".join(sys.argv)}
+        result = {"provenance": provenance(args, info, device), "rows": rows}
+        result["provenance"]["total_s"] = round(time.perf_counter() - t_start, 1)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"provenance": prov, "rows": [row]}, f, indent=2)
-    if tmp:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.out}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -80,18 +80,32 @@ def world_of_one(spec: str):
 
 
 def import_timm():
-    """``import timm`` on a CPU-only torch.
+    """``import timm`` on a CPU-only torch (see ``import_without_torchvision``)."""
+    return import_without_torchvision("timm")
 
-    timm imports torchvision at import time, and PyPI has no CPU build of torchvision for
-    Linux: its wheel needs CUDA torch's libraries. When torchvision cannot be imported, timm
-    is imported with a stand-in for it (a module whose every attribute is a MagicMock), and
-    the stand-in is taken out of ``sys.modules`` again afterwards so that nothing else (e.g.
-    transformers) mistakes it for torchvision. timm's ViT itself uses no torchvision code.
+
+def import_open_clip():
+    """``import open_clip`` (the test extra) on a CPU-only torch; skips the test where the
+    package is not installed. Its model code (ViTs, text towers) uses no torchvision."""
+    import importlib.util
+    if importlib.util.find_spec("open_clip") is None:
+        pytest.skip("open_clip_torch is not installed (pip install -e .[test])")
+    return import_without_torchvision("open_clip")
+
+
+def import_without_torchvision(name: str):
+    """``import name`` for packages that import torchvision at import time (timm, open_clip).
+
+    PyPI has no CPU build of torchvision for Linux: its wheel needs CUDA torch's libraries.
+    When torchvision cannot be imported, the package is imported with a stand-in for it (a
+    module whose every attribute is a MagicMock), and the stand-in is taken out of
+    ``sys.modules`` again afterwards so that nothing else (e.g. transformers) mistakes it for
+    torchvision. Only model code that uses no torchvision may be used from such an import.
     """
+    import importlib
     try:
         import torchvision  # noqa: F401
-        import timm
-        return timm
+        return importlib.import_module(name)
     except Exception:
         pass
     import importlib.abc
@@ -117,9 +131,9 @@ def import_timm():
         del sys.modules[k]
     sys.meta_path.insert(0, finder)
     try:
-        import timm
+        module = importlib.import_module(name)
     finally:
         sys.meta_path.remove(finder)
         for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
             del sys.modules[k]
-    return timm
+    return module

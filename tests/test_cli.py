@@ -114,5 +114,7 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
     assert "decoder.layers.3.mlp.linear_fc2.weight" in sd
     capsys.readouterr()
     assert main(["export", str(trained), "--format", "open_clip", "--out",
-                 str(tmp_path / "o.safetensors")]) == 2
-    assert "CLIP" in capsys.readouterr().err
+                 str(tmp_path / "o.safetensors")]) == 2  # a classifier: no open_clip form
+    err = capsys.readouterr().err
+    assert "classifier ViT cannot be written as open_clip" in err and "ln_pre" in err
+    assert not (tmp_path / "o.safetensors").exists()

@@ -578,19 +578,48 @@ def test_cache_one_entry_per_dataset_whatever_the_run_seed_and_bounded(tmp_path)
 
 
 def test_bench_data_runs_on_cpu(tmp_path, env):
+    """With no shards given it makes its own (shapes JPEGs) under --tmp, and removes them."""
     import json
     import subprocess
     import sys
     from conftest import ROOT
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--synthetic", "40",
-                    "--synthetic-size", "64x48", "--batch", "8", "--steps", "2", "--warmup", "1",
-                    "--image-size", "32", "--workers", "1", "--augment", "--decode", "cpu",
-                    "--out", str(out)], check=True, capture_output=True, env=env, timeout=300)
+    made = tmp_path / "made"
+    made.mkdir()
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_data.py"), "--images", "40",
+                        "--jpeg-size", "64x48", "--tmp", str(made), "--batch", "8", "--steps", "2",
+                        "--warmup", "1", "--image-size", "32", "--workers", "1", "--augment",
+                        "--decode", "cpu", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "img/s (cpu decode" in p.stdout
     result = json.loads(out.read_text())
     row = result["rows"][0]
     assert row["images_per_s"] > 0 and row["shape"] == [8, 3, 32, 32] and row["decode"] == "cpu"
-    assert result["provenance"]["torch"] == torch.__version__
+    prov = result["provenance"]
+    assert prov["torch"] == torch.__version__ and "torchvision" in prov and "gpu" in prov
+    assert len(prov["git_commit"]) == 40 and prov["shards"]["mean_jpeg_kb"] > 0
+    assert os.listdir(made) == []  # the shards it made are gone
+
+
+def test_shapes_imagefolder_holds_the_shapes_pixels(tmp_path):
+    """scripts/shapes_imagefolder.py: the shapes data as PNG files, pixel for pixel, in class
+    folders whose sorted order is the shapes label order."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from shapes_imagefolder import write_shapes_imagefolder
+    counts = write_shapes_imagefolder(str(tmp_path / "f"), num_train=40, num_val=12, seed=3,
+                                      workers=2, cache_dir=None)
+    assert counts == {"train": 40, "val": 12}
+    _, val = build_datasets(shapes_cfg(num_train=40, num_val=12, seed=3, cache_dir=None), seed=0)
+    folder = build_datasets(types.SimpleNamespace(kind="imagefolder", path=str(tmp_path / "f"),
+                                                  render_size=32, workers=1), seed=0)[1]
+    assert sorted(folder.labels.tolist()) == sorted(val.labels.tolist())
+    for path in (tmp_path / "f" / "val").rglob("*.png"):
+        i = int(path.stem)
+        assert path.parent.name.endswith(val.classes[int(val.labels[i])])
+        assert np.array_equal(np.asarray(Image.open(path)), val.images[i].numpy())
 
 
 def test_training_from_shards_with_augmentation(shards, tmp_path, env):

@@ -35,8 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="the held-out split (default) or the training split, unaugmented")
     ex = sub.add_parser("export", help="write a run's model weights as safetensors",
                         description="Write the model weights of RUN_DIR's newest (or a named) "
-                                    "checkpoint as safetensors, with vitgraph, timm or Hugging "
-                                    "Face parameter names.")
+                                    "checkpoint as safetensors, with vitgraph, timm, Hugging "
+                                    "Face or open_clip parameter names (open_clip: CLIP image "
+                                    "towers and pairs, not classifiers).")
     ex.add_argument("run_dir")
     ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "hf", "open_clip"))
     ex.add_argument("--out", required=True, help="output .safetensors file (hf: config.json is "
@@ -161,15 +162,20 @@ def _export(args) -> int:
     from vitgraph.config import ConfigError, ModelConfig, _build
     from vitgraph.convert import (ConvertError, from_vitgraph, read_checkpoint_weights,
                                   save_safetensors)
-    from vitgraph.models.registry import resolve_arch
+    from vitgraph.models.registry import CLIP_MODELS, resolve_arch
     run_dir = Path(args.run_dir)
     try:
         raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
         model_cfg = _build(ModelConfig, raw.get("model") or {}, str(run_dir / "config.yaml"),
                            "model.")
-        arch = resolve_arch(model_cfg)
+        if model_cfg.name in CLIP_MODELS:  # an image-text pair: both towers' head counts
+            pair = CLIP_MODELS[model_cfg.name]
+            arch, heads = pair.vision, (pair.vision.num_heads, pair.text.num_heads)
+        else:
+            arch = resolve_arch(model_cfg)
+            heads = (arch.num_heads, None)
         sd, step, path = read_checkpoint_weights(run_dir, args.checkpoint)
-        out = from_vitgraph(sd, args.format, arch.num_heads)
+        out = from_vitgraph(sd, args.format, *heads)
         meta = {"format": "pt", "vitgraph_format": args.format, "step": step,
                 "checkpoint": str(path), "model": model_cfg.name}
         written = save_safetensors(out, args.out, meta)

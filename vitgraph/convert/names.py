@@ -1,4 +1,6 @@
-"""Parameter names: vitgraph's (megatron-core's) <-> timm's and Hugging Face's ViT.
+"""Parameter names: vitgraph's (megatron-core's) <-> timm's and Hugging Face's ViT, and the
+dispatch over every format (open_clip: vitgraph.convert.openclip; Hugging Face CLIP / SigLIP
+pairs: vitgraph.convert.clip_hf).
 
 Everything here works on the *full* model (tensor-parallel size 1, all pipeline stages) with
 global layer numbers: ``decoder.layers.{i}`` counts from 0 over the whole encoder.
@@ -13,74 +15,79 @@ linears, as TE does)::
     decoder.layers.{i}.mlp.linear_fc1.{weight,bias}
     decoder.layers.{i}.mlp.linear_fc2.{weight,bias}
 
-QKV rows: megatron splits the fused projection per query group, ``[heads, (q, k, v),
-head_dim]`` (``SelfAttention.get_query_key_value_tensors``: the output is viewed as
-``[groups, (q_per_group + 2) * head_dim]``); timm's fused ``qkv`` is ``[(q, k, v), heads,
-head_dim]``; Hugging Face keeps q, k and v apart.
+The tables below are walked by vitgraph.convert.tables (QKV layouts are explained there).
 """
 from __future__ import annotations
 
 import re
 
-import torch
+from vitgraph.convert import tables
+from vitgraph.convert.tables import (ConvertError, Tower, check_empty, num_layers_of,  # noqa: F401
+                                     qkv_from_megatron, qkv_to_megatron)
 
 FORMATS = ("vitgraph", "timm", "hf", "open_clip")
 
+_CLASSIFIER_OPTIONAL = frozenset({"cls_token", "registers", "head.weight", "head.bias"})
 
-class ConvertError(ValueError):
-    """Weights that cannot be converted or loaded; the message names the key."""
-
-
-# (vitgraph name, timm name); "{i}" is the layer number. QKV is handled apart.
-_TIMM_GLOBAL = [
-    ("patch_embed.weight", "patch_embed.proj.weight"),
-    ("patch_embed.bias", "patch_embed.proj.bias"),
-    ("cls_token", "cls_token"),
-    ("registers", "reg_token"),
-    ("pos_embed", "pos_embed"),
-    ("final_norm.weight", "norm.weight"),
-    ("final_norm.bias", "norm.bias"),
-    ("head.weight", "head.weight"),
-    ("head.bias", "head.bias"),
-]
-_TIMM_LAYER = [
-    ("self_attention.linear_qkv.layer_norm_weight", "norm1.weight"),
-    ("self_attention.linear_qkv.layer_norm_bias", "norm1.bias"),
-    ("self_attention.linear_proj.weight", "attn.proj.weight"),
-    ("self_attention.linear_proj.bias", "attn.proj.bias"),
-    ("mlp.linear_fc1.layer_norm_weight", "norm2.weight"),
-    ("mlp.linear_fc1.layer_norm_bias", "norm2.bias"),
-    ("mlp.linear_fc1.weight", "mlp.fc1.weight"),
-    ("mlp.linear_fc1.bias", "mlp.fc1.bias"),
-    ("mlp.linear_fc2.weight", "mlp.fc2.weight"),
-    ("mlp.linear_fc2.bias", "mlp.fc2.bias"),
-]
+TIMM = Tower(
+    globals=(
+        ("patch_embed.weight", "patch_embed.proj.weight"),
+        ("patch_embed.bias", "patch_embed.proj.bias"),
+        ("cls_token", "cls_token"),
+        ("registers", "reg_token"),
+        ("pos_embed", "pos_embed"),
+        ("final_norm.weight", "norm.weight"),
+        ("final_norm.bias", "norm.bias"),
+        ("head.weight", "head.weight"),
+        ("head.bias", "head.bias"),
+    ),
+    layer=(
+        ("self_attention.linear_qkv.layer_norm_weight", "norm1.weight"),
+        ("self_attention.linear_qkv.layer_norm_bias", "norm1.bias"),
+        ("self_attention.linear_proj.weight", "attn.proj.weight"),
+        ("self_attention.linear_proj.bias", "attn.proj.bias"),
+        ("mlp.linear_fc1.layer_norm_weight", "norm2.weight"),
+        ("mlp.linear_fc1.layer_norm_bias", "norm2.bias"),
+        ("mlp.linear_fc1.weight", "mlp.fc1.weight"),
+        ("mlp.linear_fc1.bias", "mlp.fc1.bias"),
+        ("mlp.linear_fc2.weight", "mlp.fc2.weight"),
+        ("mlp.linear_fc2.bias", "mlp.fc2.bias"),
+    ),
+    qkv=("attn.qkv.{kind}",),
+    theirs_layers="blocks.{i}.",
+    optional=_CLASSIFIER_OPTIONAL,
+)
 
 # Hugging Face ViT, the names its hub checkpoints use (transformers 4; transformers 5 renames
 # them on load). ViTForImageClassification prefixes the encoder with "vit.".
-_HF_GLOBAL = [
-    ("patch_embed.weight", "vit.embeddings.patch_embeddings.projection.weight"),
-    ("patch_embed.bias", "vit.embeddings.patch_embeddings.projection.bias"),
-    ("cls_token", "vit.embeddings.cls_token"),
-    ("pos_embed", "vit.embeddings.position_embeddings"),
-    ("final_norm.weight", "vit.layernorm.weight"),
-    ("final_norm.bias", "vit.layernorm.bias"),
-    ("head.weight", "classifier.weight"),
-    ("head.bias", "classifier.bias"),
-]
-_HF_LAYER = [
-    ("self_attention.linear_qkv.layer_norm_weight", "layernorm_before.weight"),
-    ("self_attention.linear_qkv.layer_norm_bias", "layernorm_before.bias"),
-    ("self_attention.linear_proj.weight", "attention.output.dense.weight"),
-    ("self_attention.linear_proj.bias", "attention.output.dense.bias"),
-    ("mlp.linear_fc1.layer_norm_weight", "layernorm_after.weight"),
-    ("mlp.linear_fc1.layer_norm_bias", "layernorm_after.bias"),
-    ("mlp.linear_fc1.weight", "intermediate.dense.weight"),
-    ("mlp.linear_fc1.bias", "intermediate.dense.bias"),
-    ("mlp.linear_fc2.weight", "output.dense.weight"),
-    ("mlp.linear_fc2.bias", "output.dense.bias"),
-]
-_HF_QKV = ("attention.attention.query", "attention.attention.key", "attention.attention.value")
+HF = Tower(
+    globals=(
+        ("patch_embed.weight", "vit.embeddings.patch_embeddings.projection.weight"),
+        ("patch_embed.bias", "vit.embeddings.patch_embeddings.projection.bias"),
+        ("cls_token", "vit.embeddings.cls_token"),
+        ("pos_embed", "vit.embeddings.position_embeddings"),
+        ("final_norm.weight", "vit.layernorm.weight"),
+        ("final_norm.bias", "vit.layernorm.bias"),
+        ("head.weight", "classifier.weight"),
+        ("head.bias", "classifier.bias"),
+    ),
+    layer=(
+        ("self_attention.linear_qkv.layer_norm_weight", "layernorm_before.weight"),
+        ("self_attention.linear_qkv.layer_norm_bias", "layernorm_before.bias"),
+        ("self_attention.linear_proj.weight", "attention.output.dense.weight"),
+        ("self_attention.linear_proj.bias", "attention.output.dense.bias"),
+        ("mlp.linear_fc1.layer_norm_weight", "layernorm_after.weight"),
+        ("mlp.linear_fc1.layer_norm_bias", "layernorm_after.bias"),
+        ("mlp.linear_fc1.weight", "intermediate.dense.weight"),
+        ("mlp.linear_fc1.bias", "intermediate.dense.bias"),
+        ("mlp.linear_fc2.weight", "output.dense.weight"),
+        ("mlp.linear_fc2.bias", "output.dense.bias"),
+    ),
+    qkv=("attention.attention.query.{kind}", "attention.attention.key.{kind}",
+         "attention.attention.value.{kind}"),
+    theirs_layers="vit.encoder.layer.{i}.",
+    optional=_CLASSIFIER_OPTIONAL - {"cls_token"},
+)
 # transformers 5 module names -> the hub names above (applied in this order)
 _HF5_RENAMES = [
     (r"\.layers\.(\d+)\.", r".encoder.layer.\1."),
@@ -95,15 +102,6 @@ _HF5_RENAMES = [
 # use in classification (ViTForImageClassification does not use it either): dropped on import
 _HF_IGNORED = re.compile(r"^(vit\.)?pooler\.")
 
-_VG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def num_layers_of(sd: dict, pattern: str) -> int:
-    found = {int(m.group(1)) for k in sd if (m := re.match(pattern, k))}
-    if found and found != set(range(max(found) + 1)):
-        raise ConvertError(f"layers {sorted(set(range(max(found) + 1)) - found)} are missing")
-    return len(found)
-
 
 def detect_format(sd: dict) -> str:
     keys = list(sd)
@@ -111,7 +109,7 @@ def detect_format(sd: dict) -> str:
     def has(pattern):
         return any(re.search(pattern, k) for k in keys)
 
-    if has(r"^decoder\.layers\.\d+\.self_attention\.linear_qkv\."):
+    if has(r"(^|\.)decoder\.layers\.\d+\.self_attention\.linear_qkv\."):
         return "vitgraph"
     if has(r"^blocks\.\d+\.attn\.qkv\."):
         return "timm"
@@ -124,80 +122,35 @@ def detect_format(sd: dict) -> str:
                        f"{', '.join(keys[:5])}); set model.init_format")
 
 
-# ---------------------------------------------------------------- QKV layouts
+def _no_place(fmt: str) -> str:
+    return f"in the {fmt} weights; vitgraph's ViT has no place for it"
 
 
-def qkv_to_megatron(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[(q, k, v), heads, head_dim, ...] rows -> megatron's [heads, (q, k, v), head_dim, ...]."""
-    rest = w.shape[1:]
-    return w.reshape(3, num_heads, -1, *rest).transpose(0, 1).reshape(w.shape).contiguous()
-
-
-def qkv_from_megatron(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rest = w.shape[1:]
-    return w.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(w.shape).contiguous()
+def _refuse_tower_weights(sd: dict, fmt: str) -> None:
+    """A CLIP model's weights (``visual.*`` ...) exported to a classifier format."""
+    if any(k.startswith(("visual.", "text.")) for k in sd):
+        raise ConvertError(f"these are a CLIP / SigLIP model's weights (visual.*, text.*): "
+                           f"{fmt} names a classifier ViT; export them with --format open_clip "
+                           f"(or vitgraph)")
 
 
 # ---------------------------------------------------------------- timm
 
 
-def _pop(rest: dict, key: str, required: bool = True):
-    if key not in rest:
-        if required:
-            raise ConvertError(f"missing key {key!r}")
-        return None
-    return rest.pop(key)
-
-
-def _check_empty(rest: dict, fmt: str) -> None:
-    if rest:
-        extra = sorted(rest)
-        raise ConvertError(f"unexpected key {extra[0]!r} in the {fmt} weights"
-                           + (f" (and {len(extra) - 1} more: {', '.join(extra[1:6])})"
-                              if len(extra) > 1 else "")
-                           + "; vitgraph's ViT has no place for it")
-
-
-def _from_table(rest: dict, table_global, table_layer, layer_prefix: str, num_layers: int,
-                optional=("cls_token", "registers", "head.weight", "head.bias")) -> dict:
-    out = {}
-    for ours, theirs in table_global:
-        v = _pop(rest, theirs, required=ours not in optional)
-        if v is not None:
-            out[ours] = v
-    for i in range(num_layers):
-        for ours, theirs in table_layer:
-            out[f"decoder.layers.{i}.{ours}"] = _pop(rest, f"{layer_prefix}{i}.{theirs}")
+def timm_to_vitgraph(sd: dict, num_heads: int) -> dict:
+    rest = dict(sd)
+    out = tables.to_vitgraph(rest, TIMM, num_heads)
+    if "head.weight" in out and out["head.weight"].numel() == 0:  # num_classes=0 models
+        del out["head.weight"], out["head.bias"]
+    check_empty(rest, _no_place("timm"))
     return out
 
 
-def timm_to_vitgraph(sd: dict, num_heads: int) -> dict:
-    rest = dict(sd)
-    n = num_layers_of(rest, r"^blocks\.(\d+)\.")
-    qkv = {}
-    for i in range(n):
-        for kind in ("weight", "bias"):
-            qkv[f"decoder.layers.{i}.self_attention.linear_qkv.{kind}"] = qkv_to_megatron(
-                _pop(rest, f"blocks.{i}.attn.qkv.{kind}"), num_heads)
-    out = _from_table(rest, _TIMM_GLOBAL, _TIMM_LAYER, "blocks.", n)
-    if "head.weight" in out and out["head.weight"].numel() == 0:  # num_classes=0 models
-        del out["head.weight"], out["head.bias"]
-    _check_empty(rest, "timm")
-    return {**out, **qkv}
-
-
 def vitgraph_to_timm(sd: dict, num_heads: int) -> dict:
-    out = {}
-    for ours, theirs in _TIMM_GLOBAL:
-        if ours in sd:
-            out[theirs] = sd[ours]
-    for i in range(num_layers_of(sd, _VG_LAYER.pattern)):
-        p = f"decoder.layers.{i}."
-        for ours, theirs in _TIMM_LAYER:
-            out[f"blocks.{i}.{theirs}"] = sd[p + ours]
-        for kind in ("weight", "bias"):
-            out[f"blocks.{i}.attn.qkv.{kind}"] = qkv_from_megatron(
-                sd[p + f"self_attention.linear_qkv.{kind}"], num_heads)
+    _refuse_tower_weights(sd, "timm")
+    rest = dict(sd)
+    out = tables.from_vitgraph(rest, TIMM, num_heads)
+    check_empty(rest, "has no place in timm's VisionTransformer")
     return out
 
 
@@ -220,45 +173,31 @@ def _hf_normalise(sd: dict) -> dict:
 
 def hf_to_vitgraph(sd: dict, num_heads: int) -> dict:
     rest = _hf_normalise(sd)
-    n = num_layers_of(rest, r"^vit\.encoder\.layer\.(\d+)\.")
-    qkv = {}
-    for i in range(n):
-        p = f"vit.encoder.layer.{i}."
-        for kind in ("weight", "bias"):
-            stacked = torch.cat([_pop(rest, f"{p}{name}.{kind}") for name in _HF_QKV])
-            qkv[f"decoder.layers.{i}.self_attention.linear_qkv.{kind}"] = qkv_to_megatron(
-                stacked, num_heads)
-    out = _from_table(rest, _HF_GLOBAL, _HF_LAYER, "vit.encoder.layer.", n)
     rest.pop("vit.embeddings.mask_token", None)  # only for masked-image modelling
-    _check_empty(rest, "Hugging Face")
-    return {**out, **qkv}
+    out = tables.to_vitgraph(rest, HF, num_heads)
+    check_empty(rest, _no_place("Hugging Face"))
+    return out
 
 
 def vitgraph_to_hf(sd: dict, num_heads: int) -> dict:
+    _refuse_tower_weights(sd, "hf")
     if "registers" in sd:
         raise ConvertError("Hugging Face's ViT has no register tokens ('registers')")
     if "cls_token" not in sd:
         raise ConvertError("Hugging Face's ViT needs a class token (model.class_token=true)")
-    out = {}
-    for ours, theirs in _HF_GLOBAL:
-        if ours in sd:
-            out[theirs] = sd[ours]
-    for i in range(num_layers_of(sd, _VG_LAYER.pattern)):
-        p, q = f"decoder.layers.{i}.", f"vit.encoder.layer.{i}."
-        for ours, theirs in _HF_LAYER:
-            out[q + theirs] = sd[p + ours]
-        for kind in ("weight", "bias"):
-            w = qkv_from_megatron(sd[p + f"self_attention.linear_qkv.{kind}"], num_heads)
-            for name, part in zip(_HF_QKV, w.chunk(3)):
-                out[f"{q}{name}.{kind}"] = part.contiguous()
+    rest = dict(sd)
+    out = tables.from_vitgraph(rest, HF, num_heads)
+    check_empty(rest, "has no place in Hugging Face's ViTForImageClassification")
     return out
 
 
 # ---------------------------------------------------------------- dispatch
 
 
-def to_vitgraph(sd: dict, fmt: str, num_heads: int) -> dict:
-    """Any supported format -> vitgraph's full (tp=1) names; ``fmt`` "auto" detects it."""
+def to_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = None) -> dict:
+    """Any supported format -> vitgraph's full (tp=1) names; ``fmt`` "auto" detects it.
+    ``num_heads``: the (image) encoder's attention heads; ``text_heads``: the text tower's, for
+    image-text pairs (open_clip)."""
     if fmt == "auto":
         fmt = detect_format(sd)
     if fmt == "vitgraph":
@@ -268,23 +207,20 @@ def to_vitgraph(sd: dict, fmt: str, num_heads: int) -> dict:
     if fmt == "hf":
         return hf_to_vitgraph(sd, num_heads)
     if fmt == "open_clip":
-        raise ConvertError(_OPEN_CLIP)
+        from vitgraph.convert.openclip import open_clip_to_vitgraph
+        return open_clip_to_vitgraph(sd, num_heads, text_heads)
     raise ConvertError(f"unknown weights format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
 
-def from_vitgraph(sd: dict, fmt: str, num_heads: int) -> dict:
+def from_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = None) -> dict:
+    sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
     if fmt == "vitgraph":
-        return dict(sd)
+        return sd
     if fmt == "timm":
         return vitgraph_to_timm(sd, num_heads)
     if fmt == "hf":
         return vitgraph_to_hf(sd, num_heads)
     if fmt == "open_clip":
-        raise ConvertError(_OPEN_CLIP)
+        from vitgraph.convert.openclip import vitgraph_to_open_clip
+        return vitgraph_to_open_clip(sd, num_heads, text_heads)
     raise ConvertError(f"unknown weights format {fmt!r}; known: {', '.join(FORMATS)}")
-
-
-_OPEN_CLIP = ("open_clip weights are CLIP image towers: a pre-norm (ln_pre), a patch "
-              "embedding without bias, QuickGELU and a projection instead of a class head. "
-              "vitgraph's classifier ViT has none of these; the open_clip converter comes with "
-              "the CLIP tower")

@@ -2,9 +2,10 @@
 
 The one place that knows how training checkpoints store the model (megatron-core
 dist_checkpointing under ``checkpoints/step_N/dist``: sharded tensors keyed by global names,
-the layers stacked along a leading layer dimension); ``vitgraph export`` and ``vitgraph eval``
-read through it. Read with torch.distributed.checkpoint in one process (no process group),
-whatever the tp / pp layout of the run that wrote it.
+each encoder's layers, ``decoder.layers.*`` or a CLIP pair's ``visual.decoder.layers.*`` and
+``text.decoder.layers.*``, stacked along a leading layer dimension); ``vitgraph export`` and
+``vitgraph eval`` read through it. Read with torch.distributed.checkpoint in one process (no
+process group), whatever the tp / pp layout of the run that wrote it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from vitgraph.convert.names import ConvertError
 
-_LAYERS = "decoder.layers."
+# a stacked layer tensor: "[visual.|text.]decoder.layers.<rest>" with no layer number
+_STACKED = re.compile(r"^(.*?decoder\.layers\.)(?!\d+\.)(.+)$")
 
 
 def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
@@ -61,10 +63,11 @@ def read_dist_weights(dist_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
         dcp.load(stacked, storage_reader=reader, no_dist=True)
     out = {}
     for name, t in stacked.items():
-        if name.startswith(_LAYERS):  # [layers, ...] -> one entry per global layer
-            rest = name[len(_LAYERS):]
+        m = _STACKED.match(name)
+        if m:  # [layers, ...] -> one entry per global layer
+            prefix, rest = m.groups()
             for i, layer in enumerate(t.unbind(0)):
-                out[f"{_LAYERS}{i}.{rest}"] = layer.clone()
+                out[f"{prefix}{i}.{rest}"] = layer.clone()
         else:
             out[name] = t
     common = torch.load(dist_dir / "common.pt", map_location="cpu", weights_only=False)

@@ -126,59 +126,112 @@ def resize_pos_embed(pos: torch.Tensor, num_prefix: int, grid: int) -> torch.Ten
     return torch.cat([prefix, patches], dim=1)
 
 
+def _is_pair(m) -> bool:
+    """A CLIP / SigLIP model (vitgraph.models.clip.CLIP): an image and a text tower."""
+    return hasattr(m, "visual") and hasattr(m, "text")
+
+
+def _is_tower(vit) -> bool:
+    """A ViT built as CLIP's image tower (ln_pre, a projection or attention pooling)."""
+    return any(hasattr(vit, a) for a in ("ln_pre", "proj", "attn_pool"))
+
+
+def heads_of(model) -> tuple[int, int | None]:
+    """(image encoder's attention heads, text tower's or None) of a built model."""
+    m = unwrap(model)
+    if _is_pair(m):
+        return m.visual.arch.num_heads, m.text.arch.num_heads
+    return m.arch.num_heads, None
+
+
 @torch.no_grad()
 def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights") -> dict:
-    """Copy a full vitgraph state dict into ``model`` (one chunk, any pipeline stage).
+    """Copy a full vitgraph state dict into ``model``: one classifier chunk (any pipeline
+    stage), a CLIP / SigLIP pair, or a pair's image tower alone (``visual.*`` names).
 
     A head of another class count (or none in ``sd``) keeps the model's fresh init; position
-    embeddings of another grid are resized; any other missing, unexpected or mis-shaped key is
-    a ``ConvertError`` naming it. Returns {"head_reinitialised": bool, "pos_embed_resized": ...}.
+    embeddings of another grid are resized; a pair whose weights have no text tower keeps its
+    text tower (and logit scale / bias) as initialised; any other missing, unexpected or
+    mis-shaped key is a ``ConvertError`` naming it. Returns {"head_reinitialised": bool,
+    "pos_embed_resized": (old, new) or None, "kept": [names left at their initial values]}.
     """
     vit = unwrap(model)
     _check_tp(vit)
-    known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers)
+    pair = _is_pair(vit)
+    if not pair and _is_tower(vit) and any(k.startswith("visual.") for k in sd):
+        sd = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
+    names = _global_names(vit)
+    if pair or (vit.pre_process and vit.post_process):
+        known = set(names.values())  # the whole model is here
+    else:  # a pipeline stage: unexpected means unknown to every stage
+        known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers)
     unexpected = sorted(set(sd) - known)
     if unexpected:
         raise ConvertError(f"{source}: unexpected key {unexpected[0]!r}"
                            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                            + " for this model (check model.name, model.num_registers, "
                              "model.class_token)")
-    report = {"head_reinitialised": False, "pos_embed_resized": None}
+    no_text = pair and not any(k.startswith("text.") for k in sd)
+    report = {"head_reinitialised": False, "pos_embed_resized": None, "kept": []}
     own = vit.state_dict()
-    for local, name in _global_names(vit).items():
+    for local, name in names.items():
         target = own[local]
         if name not in sd:
             if name.startswith("head."):
                 report["head_reinitialised"] = True
+                continue
+            if pair and (name in ("logit_scale", "logit_bias")
+                         or no_text and name.startswith("text.")):
+                report["kept"].append(name)
                 continue
             raise ConvertError(f"{source}: missing key {name!r}")
         value = sd[name]
         if name.startswith("head.") and value.shape != target.shape:
             report["head_reinitialised"] = True
             continue
-        if name == "pos_embed" and value.shape != target.shape:
-            grid = math.isqrt(target.shape[1] - vit.num_prefix)
+        if name in ("pos_embed", "visual.pos_embed") and value.shape != target.shape:
+            prefix = (vit.visual if pair else vit).num_prefix
+            grid = math.isqrt(target.shape[1] - prefix)
             if value.shape[2] == target.shape[2]:
                 report["pos_embed_resized"] = (tuple(value.shape), tuple(target.shape))
-                value = resize_pos_embed(value, vit.num_prefix, grid)
+                value = resize_pos_embed(value, prefix, grid)
         if value.shape != target.shape:
             raise ConvertError(f"{source}: {name!r} has shape {tuple(value.shape)}, the model "
                                f"wants {tuple(target.shape)}")
         target.copy_(value.to(target.dtype))
-    if report["head_reinitialised"] and vit.post_process:
+    if report["head_reinitialised"] and getattr(vit, "post_process", False):
         have = sd.get("head.weight")
         log.info("init: head re-initialised (%s; the model has %d classes)",
                  f"the weights have {have.shape[0]} classes" if have is not None else
                  "the weights have no head", vit.head.weight.shape[0])
-    if report["pos_embed_resized"] and vit.pre_process:
+    if report["pos_embed_resized"] and (pair or vit.pre_process):
         log.info("init: position embeddings resized %s -> %s", *report["pos_embed_resized"])
+    if report["kept"]:
+        log.info("init: %d tensors not in the weights kept as initialised (%s)",
+                 len(report["kept"]), "the text tower and the logit scale" if no_text
+                 else ", ".join(report["kept"]))
     return report
 
 
 def init_from(model, path: str, fmt: str = "auto") -> dict:
     """``model.init_from``: read ``path``, convert from ``fmt`` (auto-detected), load."""
-    vit = unwrap(model)
-    sd = to_vitgraph(load_file(path), fmt, vit.arch.num_heads)
+    from vitgraph.convert.names import detect_format
+    from vitgraph.convert.openclip import INTO_CLASSIFIER
+    target = unwrap(model)
+    raw = load_file(path)
+    if fmt == "auto":
+        fmt = detect_format(raw)
+    if fmt == "open_clip" and not _is_pair(target):
+        if not _is_tower(target):
+            raise ConvertError(f"{path}: {INTO_CLASSIFIER}")
+        if any(k.startswith("visual.") for k in raw):  # into the image tower: visual.* only
+            unused = sum(not k.startswith("visual.") for k in raw)
+            raw = {k: v for k, v in raw.items() if k.startswith("visual.")}
+            if unused:
+                log.info("init: image tower only: %d tensors of the text tower and logit scale "
+                         "not used", unused)
+    heads, text_heads = heads_of(target)
+    sd = to_vitgraph(raw, fmt, heads, text_heads)
     report = load_into_model(model, sd, source=str(path))
     log.info("init: weights from %s (%s)", path, fmt)
     return report

@@ -481,7 +481,7 @@ class Trainer:
 
     def close(self, shutdown_dist: bool = True, failed: bool = False):
         if self.stops is not None:
-            self.stops.close()
+            self.stops.close(wait=not failed)
         if self.writer is not None:
             self.writer.close()
         if self.graphs is not None:
@@ -519,7 +519,7 @@ def train(cfg: Config) -> dict:
             raise TrainingFailed(_summary(cfg, trainer, e)) from e
         raise
     finally:
-        stops.close()
+        stops.close(wait=not failed)
         if trainer is not None:
             trainer.close(failed=failed)
         else:

@@ -54,12 +54,15 @@ class StopRequests:
                                      async_op=True)
         return stop
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """``wait=False`` on a failing run: the last flag exchange may never complete (a peer
+        is stuck or gone), and its group has gloo's default 30-minute timeout, not the run's."""
         if self._work is not None:
-            try:
-                self._work.wait()
-            except Exception:  # a peer is gone (the run is failing already): nothing to agree on
-                pass
+            if wait:
+                try:
+                    self._work.wait()
+                except Exception:  # a peer is gone (the run is failing already)
+                    pass
             self._work = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
