@@ -26,7 +26,7 @@ def test_contrastive_training_end_to_end(tmp_path, env, loss):
     printed."""
     run = tmp_path / "run"
     r = subprocess.run(vitgraph_cmd("train", str(CLIP), *tiny_overrides(
-        run, steps=40, **{"train.eval_every": 20, "train.log_every": 10}), *FAST,
+        run, steps=30, **{"train.eval_every": 15, "train.log_every": 10}), *FAST,
         f"task.loss={loss}"), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
@@ -36,8 +36,8 @@ def test_contrastive_training_end_to_end(tmp_path, env, loss):
     assert metrics["eval_images"] == 200
     assert str((run / "metrics.json").resolve()) in r.stdout
     losses = {x["step"]: x["loss"] for x in log_of(run) if "loss" in x}
-    assert losses[40] < losses[10], losses
-    assert [x["step"] for x in log_of(run) if "eval_top1" in x] == [20, 40]
+    assert losses[30] < losses[10], losses
+    assert [x["step"] for x in log_of(run) if "eval_top1" in x] == [15, 30]
     assert f"({loss} loss)" in (run / "train.log").read_text()
 
 
@@ -53,7 +53,7 @@ def test_contrastive_training_end_to_end(tmp_path, env, loss):
 ])
 def test_contrastive_config_errors_exit_2(monkeypatch, capsys, overrides, key, why):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["train", str(CLIP), *overrides]) == 2
+    assert main(["train", str(CLIP), "train.micro_batch_size=32", *overrides]) == 2
     err = capsys.readouterr().err
     assert key in err and why in err, err
 
