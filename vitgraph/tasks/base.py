@@ -28,6 +28,7 @@ from vitgraph.parallel.setup import Dist
 
 class Task:
     name = "abstract"
+    fill_label = -1  # the label of samples that only fill an eval microbatch up
 
     def __init__(self, cfg: Config, d: Dist):
         self.cfg, self.d = cfg, d

@@ -38,6 +38,7 @@ def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
 
 class ContrastiveTask(Task):
     name = "contrastive"
+    fill_label = -2  # -1 is an unlabelled pair (WebDataset txt without cls): kept for retrieval
 
     def __init__(self, cfg, d):
         super().__init__(cfg, d)
@@ -142,7 +143,7 @@ class ContrastiveTask(Task):
         image = torch.cat([o["image"] for o in outputs])
         text = torch.cat([o["text"] for o in outputs])
         labels = torch.cat([o["labels"] for o in outputs])
-        keep = labels >= 0  # -1: filler samples of a padded eval microbatch
+        keep = labels != self.fill_label  # filler samples of a padded eval microbatch
         image, text, labels = image[keep], text[keep], labels[keep]
         if dist.is_initialized() and self.d.dp > 1:  # every rank's share of the split
             parts = [None] * self.d.dp
@@ -155,9 +156,12 @@ class ContrastiveTask(Task):
         def encode(tokens):
             return model.encode_text(tokens.to(self.d.device)).float()
 
-        templates = self.cfg.task.templates or TEMPLATES
-        classes = class_embeddings(encode, self.tokenizer, self.classes, templates)
-        out = {"eval_top1": zero_shot_top1(image, classes, labels), "eval_images": len(labels)}
+        out = {"eval_images": len(labels)}
+        labelled = labels >= 0
+        if self.classes and labelled.any():  # zero-shot over the labelled pairs
+            templates = self.cfg.task.templates or TEMPLATES
+            classes = class_embeddings(encode, self.tokenizer, self.classes, templates)
+            out["eval_top1"] = zero_shot_top1(image[labelled], classes, labels[labelled])
         out.update({f"eval_{k}": v for k, v in retrieval_recall(image, text).items()})
         return out
 

@@ -81,15 +81,16 @@ class TrainingFailed(RuntimeError):
     """A failure during training, summarised on one line; the traceback is in train.log."""
 
 
-def _split_padded(fields: tuple, k: int, multiple: int = 1) -> list:
+def _split_padded(fields: tuple, k: int, multiple: int = 1, fill_label: int = -1) -> list:
     """One eval batch (images, labels, ...) as ``k`` equal microbatches of a multiple of
-    ``multiple`` samples, filled up with copies of the first sample labelled -1 (not counted)."""
+    ``multiple`` samples, filled up with copies of the first sample labelled ``fill_label``
+    (the task leaves them out)."""
     labels = fields[1]
     m = -(-len(labels) // k)
     m = -(-m // multiple) * multiple
     pad = m * k - len(labels)
     if pad:
-        fields = tuple(torch.cat([f, f.new_full((pad,), -1) if i == 1
+        fields = tuple(torch.cat([f, f.new_full((pad,), fill_label) if i == 1
                                   else f[:1].expand(pad, *f.shape[1:])])
                        for i, f in enumerate(fields))
     return list(zip(*(f.split(m) for f in fields)))
@@ -279,7 +280,7 @@ class Trainer:
             getattr(self.model, "pad_to", None) is None else 1
         for fields in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
                                    self.d.dp_rank, self.d.dp):
-            mbs = _split_padded(fields, k, fill)
+            mbs = _split_padded(fields, k, fill, self.task.fill_label)
             mb = len(mbs[0][1])
             outputs += self.forward_backward(
                 forward_step_func=self._eval_step,
