@@ -24,6 +24,10 @@ Systems:
   timm+compile-reduce-overhead   torch.compile(mode="reduce-overhead") (CUDA graphs)
   timm+compile+float8    timm + torch.compile with torchao's float8 training (tensorwise
                          scaling): the FP8 peer a user would pick; runs for fp8 precisions
+  open_clip[+compile]    for --model clip_vit_b16 / clip_vit_l14: open_clip's CLIP of the same
+                         geometry (QuickGELU), autocast bf16, ClipLoss, fused AdamW; vitgraph's
+                         rows are then its contrastive step (byte-level captions of 128 tokens
+                         for the tiny pair, the tower's 77 here)
 
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
@@ -53,6 +57,8 @@ VITGRAPH_SYSTEMS = {"vitgraph": (None, "layer"), "vitgraph+graphs": ("local", "l
                     "vitgraph+graphs-te": ("te", "layer"), "vitgraph+step-graphs": ("local", "step")}
 TIMM_NAMES = {"vit_l16_224": "vit_large_patch16_224", "vit_b16_224": "vit_base_patch16_224",
               "vit_h14_224": "vit_huge_patch14_224"}
+# image-text pairs: vitgraph's contrastive step against open_clip's (same geometry and batch)
+OPEN_CLIP_NAMES = {"clip_vit_b16": "ViT-B-16-quickgelu", "clip_vit_l14": "ViT-L-14-quickgelu"}
 
 
 def _sync_time() -> float:
@@ -113,6 +119,8 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
             "data.num_val=64", "data.render_size=32", f"model.num_classes={num_classes}",
             f"train.micro_batch_size={mb}", "train.steps=100000", *prec,
             "train.tensorboard=false", "train.progress=false", "optim.clip_grad=1.0",
+            # the peers train on ready tensors with plain cross-entropy: so does this step
+            "data.augment.enabled=false", "train.label_smoothing=0",
             f"run.dir=/tmp/vitgraph-bench/{model}-{mb}-{graphs}-{scope}-{precision}"]
     if graphs:
         over += ["graphs.enabled=true", f"graphs.impl={graphs}", f"graphs.scope={scope}",
@@ -125,10 +133,13 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     over += [f"train.global_batch_size={global_batch}", f"data.num_train={max(64, global_batch)}"]
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
     trainer = Trainer(cfg)
-    size = trainer.arch.image_size
+    size = trainer.task.image_size
     gen = torch.Generator().manual_seed(trainer.d.dp_rank)
     batches = [(torch.randint(0, 256, (mb, size, size, 3), dtype=torch.uint8, generator=gen),
                 torch.randint(0, num_classes, (mb,), generator=gen)) for _ in range(microbatches)]
+    if trainer.task.name == "contrastive":  # + caption token ids, end of text last
+        n = trainer.task.context_length
+        batches = [(*b, _tokens(mb, n, gen)) for b in batches]
     state = {"step": 0}
 
     def step():
@@ -143,7 +154,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
         if trainer.graphs is not None:
             extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
                                     if isinstance(v, (int, float, str, bool))}
-        flops = trainer.flops_per_image
+        flops = trainer.flops_per_sample
         p = cfg.parallel
         layout = f"tp{p.tp}pp{p.pp}" + (f"vpp{p.vpp}" if p.vpp > 1 else "") + f"dp{dp}"
         layout = layout.replace("tp1", "").replace("pp1", "") or "dp1"
@@ -156,6 +167,49 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     finally:
         trainer.close(shutdown_dist=False)
         del trainer
+
+
+def _tokens(b: int, n: int, gen=None) -> torch.Tensor:
+    """Random byte-level captions filling the context: [sot, bytes..., eot] (vitgraph.text)."""
+    t = torch.randint(1, 257, (b, n), generator=gen)
+    t[:, 0], t[:, -1] = 257, 258
+    return t
+
+
+# ---------------------------------------------------------------- open_clip peer
+
+def bench_open_clip(model: str, mb: int, compile_mode: str | None, warmup: int,
+                    iters: int) -> dict:
+    """open_clip's CLIP of the same geometry: autocast bf16, its ClipLoss, fused AdamW, the
+    logit scale clamped after each step, as its training script does."""
+    import open_clip
+    from open_clip.loss import ClipLoss
+    net = open_clip.create_model(OPEN_CLIP_NAMES[model], pretrained=None).cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    fwd = net if compile_mode is None else torch.compile(
+        net, mode=None if compile_mode == "default" else compile_mode)
+    loss_fn = ClipLoss()
+    size = net.visual.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    x = torch.randn(mb, 3, size, size, device="cuda")
+    text = torch.randint(1, 49406, (mb, 77), device="cuda")
+    text[:, -1] = 49407  # end of text
+
+    def step():
+        if compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fwd(x, text)
+            loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            net.logit_scale.clamp_(0, 4.6052)
+
+    sec, mem, reserved = _measure(step, warmup, iters)
+    return {"images_per_s": mb / sec, "peak_mem_gib": mem, "peak_reserved_gib": reserved}
 
 
 # ---------------------------------------------------------------- timm peers
@@ -248,7 +302,7 @@ def _jobs(args) -> list[tuple[int, str, str]]:
             for system in args.systems:
                 if system == "vitgraph+step-graphs" and precision != "bf16":
                     continue  # not with FP8 yet (a config error)
-                if system.startswith("timm"):
+                if system.startswith(("timm", "open_clip")):
                     first = precision == (fp8[0] if system.endswith("float8") else args.precisions[0])
                     if _world() > 1 or not first or (system.endswith("float8") and not fp8):
                         continue
@@ -258,7 +312,7 @@ def _jobs(args) -> list[tuple[int, str, str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="vit_l16_224", choices=sorted(TIMM_NAMES))
+    ap.add_argument("--model", default="vit_l16_224", choices=sorted([*TIMM_NAMES, *OPEN_CLIP_NAMES]))
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 256])
     ap.add_argument("--systems", nargs="+", default=["vitgraph", "vitgraph+graphs", "timm",
                                                      "timm+compile-reduce-overhead"])
@@ -287,6 +341,9 @@ def main() -> int:
                 impl, scope = VITGRAPH_SYSTEMS[system]
                 res = bench_vitgraph(args.model, mb, impl, precision, args.warmup, args.iters,
                                      args.num_classes, args.microbatches, args.override, scope)
+            elif system.startswith("open_clip"):
+                mode = {"open_clip": None, "open_clip+compile": "default"}[system]
+                res = bench_open_clip(args.model, mb, mode, args.warmup, args.iters)
             else:
                 mode = {"timm": None, "timm+compile": "default",
                         "timm+compile-reduce-overhead": "reduce-overhead",

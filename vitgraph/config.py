@@ -164,6 +164,31 @@ class ParallelConfig:
 
 
 @dataclass
+class TaskConfig:
+    # classification: a ViT with a class head on labelled images. contrastive: an image-text
+    # pair (CLIP / SigLIP; model.name from the image-text registry, `vitgraph models`) on
+    # captioned images, with zero-shot and retrieval eval. auto: contrastive for those names
+    kind: str = "auto"
+    # contrastive: clip (InfoNCE, learnable scale) | siglip (sigmoid, learnable scale and bias)
+    # | auto (siglip when the model has a logit bias)
+    loss: str = "auto"
+    # contrastive: text positions used (null: the tower's registered context length); longer
+    # captions are cut, keeping the end of text
+    context_length: Optional[int] = None
+    # contrastive: zero-shot prompts, "{}" the class name; each class's text embedding is the
+    # mean over them (null: OpenAI CLIP's style, vitgraph.tasks.contrastive_metrics.TEMPLATES)
+    templates: Optional[list] = None
+
+
+def task_kind(cfg: "Config") -> str:
+    """task.kind with auto resolved from model.name."""
+    if cfg.task.kind != "auto":
+        return cfg.task.kind
+    from vitgraph.models.registry import CLIP_MODELS
+    return "contrastive" if cfg.model.name in CLIP_MODELS else "classification"
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0  # steps between saves; 0: only at the end
     keep: int = 2  # newest checkpoints kept
@@ -179,6 +204,7 @@ class RunConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -203,6 +229,8 @@ CHOICES = {
     "data.decode": ("cpu", "cuda", "auto"),
     "train.precision": ("auto", "bf16", "fp32", "fp8"),
     "train.fp8_recipe": ("current", "delayed", "mxfp8"),
+    "task.kind": ("auto", "classification", "contrastive"),
+    "task.loss": ("auto", "clip", "siglip"),
 }
 
 
@@ -300,6 +328,8 @@ def _coerce(hint, value, src: str, key: str):
         value = float(value) if ok else value
     elif hint is str:
         ok = isinstance(value, str)
+    elif hint is list:
+        ok = isinstance(value, list)
     else:  # pragma: no cover - only the types above are used
         ok = True
     if not ok:
@@ -309,9 +339,39 @@ def _coerce(hint, value, src: str, key: str):
 
 # ---------------------------------------------------------------- validation
 
+def _validate_contrastive(cfg: Config, err) -> None:
+    from vitgraph.models.registry import CLIP_MODELS, resolve_clip_arch
+    if cfg.model.name not in CLIP_MODELS:
+        err("model.name", cfg.model.name, f"task.kind=contrastive needs an image-text pair; "
+                                          f"known: {', '.join(sorted(CLIP_MODELS))}")
+    arch = resolve_clip_arch(cfg.model)
+    p, a = cfg.parallel, cfg.data.augment
+    if p.pp > 1:
+        err("parallel.pp", p.pp, "image-text pairs run on one pipeline stage (pipeline "
+                                 "parallelism for the pair of towers is not supported): use tp / dp")
+    if p.sequence_parallel:
+        err("parallel.sequence_parallel", True, "the text tower has no sequence parallelism yet")
+    n = cfg.task.context_length
+    if n is not None and not 3 <= n <= arch.text.context_length:
+        err("task.context_length", n, f"must be between 3 and the text tower's "
+                                      f"{arch.text.context_length} positions ({cfg.model.name})")
+    if a.enabled and (a.mixup_alpha > 0 or a.cutmix_alpha > 0) and a.mix_prob > 0:
+        err("data.augment.mixup_alpha", a.mixup_alpha, "mixup / cutmix mix class labels; an "
+            "image-text pair has none to mix: set data.augment.mixup_alpha=0 cutmix_alpha=0")
+    if cfg.train.label_smoothing:
+        err("train.label_smoothing", cfg.train.label_smoothing, "classification only")
+    tpl = cfg.task.templates
+    if tpl is not None and (not tpl or not all(isinstance(x, str) and "{}" in x for x in tpl)):
+        err("task.templates", tpl, 'a non-empty list of prompts, each with "{}" for the class name')
+    for key in ("num_heads", "ffn_hidden_size"):
+        if getattr(arch.text, key) % p.tp:
+            err("parallel.tp", p.tp, f"the text tower's {key}={getattr(arch.text, key)} is not "
+                                     "divisible by it")
+
+
 def validate(cfg: Config, src: str = "<config>") -> None:
     """Checks that need nothing but the config (and the torchrun environment)."""
-    from vitgraph.models.registry import resolve_arch
+    from vitgraph.models.registry import CLIP_MODELS, resolve_arch
 
     def err(key, value, why):
         raise ConfigError(f"{src}: {key}={value!r}: {why}")
@@ -387,6 +447,11 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("train.global_batch_size", t.global_batch_size,
             f"interleaved pipelining (parallel.vpp={p.vpp}) needs the microbatches per step "
             f"({microbatches} = global / (micro x dp)) to be a multiple of parallel.pp={p.pp}")
+    if task_kind(cfg) == "contrastive":
+        _validate_contrastive(cfg, err)
+    elif cfg.model.name in CLIP_MODELS:
+        err("task.kind", cfg.task.kind, f"model.name={cfg.model.name!r} is an image-text pair: "
+                                        "train it with task.kind=contrastive (or auto)")
     if p.overlap_p2p_comm and p.vpp == 1:
         err("parallel.overlap_p2p_comm", True, "megatron overlaps p2p only in the interleaved "
                                               "schedule: needs parallel.vpp > 1")

@@ -29,6 +29,8 @@ class ImageDataset:
     labels: torch.Tensor  # int64 [N]
     classes: list[str]
     captions: list[str] | None = None
+    # token ids of the captions, int64 [N, context] (set by the contrastive task)
+    tokens: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[-1] != 3:
@@ -42,6 +44,12 @@ class ImageDataset:
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
+
+    def fields(self, idx) -> tuple:
+        """The samples ``idx`` as a microbatch: (images, labels) and, when the dataset has
+        them, their caption tokens."""
+        out = (self.images[idx], self.labels[idx])
+        return out if self.tokens is None else (*out, self.tokens[idx])
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -129,8 +137,9 @@ class MicrobatchLoader:
             self._perm_epoch = self.epoch
         return self._perm
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The ``num_microbatches`` (images uint8 [b,H,W,3], labels int64 [b]) of this rank."""
+    def next_step(self) -> list[tuple]:
+        """The ``num_microbatches`` (images uint8 [b,H,W,3], labels int64 [b][, tokens]) of
+        this rank (``ImageDataset.fields``)."""
         if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch += 1
             self.step_in_epoch = 0
@@ -145,7 +154,7 @@ class MicrobatchLoader:
         self.step_in_epoch += 1
         out = []
         for mb in idx.split(self.micro_batch_size):
-            out.append((self.dataset.images[mb], self.dataset.labels[mb]))
+            out.append(self.dataset.fields(mb))
         return out
 
     def state_dict(self) -> dict:
@@ -164,8 +173,9 @@ class MicrobatchLoader:
 
 
 def iterate_eval(dataset: ImageDataset, batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed-order (images uint8, labels) batches; every sample is seen by exactly one rank.
+                 dp_size: int = 1) -> Iterator[tuple]:
+    """Fixed-order (images uint8, labels[, tokens]) batches; every sample is seen by exactly
+    one rank.
 
     Rank ``r`` takes the contiguous block ``[N*r//dp_size, N*(r+1)//dp_size)``; its last batch
     may be smaller and nothing is padded, so ranks may see different numbers of batches:
@@ -179,7 +189,7 @@ def iterate_eval(dataset: ImageDataset, batch_size: int, dp_rank: int = 0,
     lo, hi = n * dp_rank // dp_size, n * (dp_rank + 1) // dp_size
     for start in range(lo, hi, batch_size):
         end = min(start + batch_size, hi)
-        yield dataset.images[start:end], dataset.labels[start:end]
+        yield dataset.fields(slice(start, end))
 
 
 def to_device_uint8(images, device) -> torch.Tensor:

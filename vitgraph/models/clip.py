@@ -40,6 +40,7 @@ class CLIP(MegatronModule):
                  init_logit_bias: float | None = None):
         super().__init__(config=visual.config)
         self.model_type = ModelType.encoder_or_decoder
+        self.pre_process = self.post_process = True  # one pipeline stage: takes the images
         self.share_embeddings_and_output_weights = False
         self.visual, self.text = visual, text
         self.init_logit_scale, self.init_logit_bias = init_logit_scale, init_logit_bias
@@ -47,6 +48,12 @@ class CLIP(MegatronModule):
         self.logit_scale = torch.nn.Parameter(torch.tensor(float(init_logit_scale), device=device))
         if init_logit_bias is not None:
             self.logit_bias = torch.nn.Parameter(torch.tensor(float(init_logit_bias), device=device))
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """megatron's schedules call it on every stage; the pair runs on one stage, so there is
+        never an activation from a previous stage to take."""
+        if input_tensor is not None and any(t is not None for t in input_tensor):
+            raise RuntimeError("CLIP / SigLIP run on one pipeline stage (parallel.pp=1)")
 
     @property
     def has_bias(self) -> bool:

@@ -48,13 +48,21 @@ ALIASES = {
 def get_arch(name: str) -> ViTArch:
     key = ALIASES.get(name, name)
     if key not in MODELS:
-        raise KeyError(f"unknown model; known: {', '.join(sorted([*MODELS, *ALIASES]))}")
+        raise KeyError(f"unknown model; known: {', '.join(sorted([*MODELS, *ALIASES]))} "
+                       f"(image-text: {', '.join(sorted(CLIP_MODELS))})")
     return MODELS[key]
 
 
 def resolve_arch(model_cfg) -> ViTArch:
-    """The registry entry with the config's explicit overrides applied."""
+    """The registry entry with the config's explicit overrides applied (for an image-text
+    pair: its image tower's)."""
+    if model_cfg.name in CLIP_MODELS:
+        return resolve_clip_arch(model_cfg).vision
     arch = get_arch(model_cfg.name)
+    return _override(arch, model_cfg)
+
+
+def _override(arch: ViTArch, model_cfg) -> ViTArch:
     over = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(ViTArch)
             if getattr(model_cfg, f.name, None) is not None}
     if "hidden_size" in over and "ffn_hidden_size" not in over:
@@ -133,3 +141,9 @@ def get_clip_arch(name: str) -> CLIPArch:
     if name not in CLIP_MODELS:
         raise KeyError(f"unknown image–text model {name!r}; known: {', '.join(sorted(CLIP_MODELS))}")
     return CLIP_MODELS[name]
+
+
+def resolve_clip_arch(model_cfg) -> CLIPArch:
+    """An image-text pair with the config's model.* size overrides applied to its image tower."""
+    arch = get_clip_arch(model_cfg.name)
+    return dataclasses.replace(arch, vision=_override(arch.vision, model_cfg))

@@ -20,7 +20,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
     from vitgraph.convert.run_weights import checkpoint_dir
     from vitgraph.parallel.setup import shutdown
     from vitgraph.train import checkpoint as ckpt
-    from vitgraph.train.loop import Trainer
+    from vitgraph.train.loop import Trainer, _eval_line
 
     path = checkpoint_dir(cfg.run_dir, checkpoint)
     trainer = Trainer(cfg, readonly=True)
@@ -38,8 +38,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
             tmp.write_text(json.dumps(result, indent=2) + "\n")
             tmp.replace(out)
             result["path"] = str(out)
-            log.info("eval of %s (%s): top1 %.4f, loss %.4f -> %s", path, split,
-                     result["eval_top1"], result["eval_loss"], out)
+            log.info("eval of %s (%s): %s -> %s", path, split, _eval_line(result), out)
         return result
     finally:
         trainer.close(shutdown_dist=False)

@@ -19,13 +19,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
-from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.graphs.step import StepGraphs
-from vitgraph.models.registry import resolve_arch
-from vitgraph.models.specs import resolve_spec
-from vitgraph.models.vit import unwrap, vit_flops_per_image
-from vitgraph.parallel.setup import (Dist, build_model, init_distributed, parallelize, shutdown,
-                                     use_bf16)
+from vitgraph.models.vit import unwrap
+from vitgraph.parallel.setup import Dist, init_distributed, parallelize, shutdown, use_bf16
+from vitgraph.tasks import make_task
 from vitgraph.train import checkpoint
 from vitgraph.train.health import StepHealth
 from vitgraph.train.optim import build_optimizer, build_scheduler
@@ -73,20 +70,30 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _eval_line(evals: dict) -> str:
+    """'top1 0.9705 | loss 0.1234 | ...': a task's eval metrics, top-1 first."""
+    keys = sorted((k for k in evals if k.startswith("eval_") and k != "eval_images"),
+                  key=lambda k: (k != "eval_top1", k != "eval_loss", k))
+    return " | ".join(f"{k[5:]} {evals[k]:.4f}" for k in keys)
+
+
 class TrainingFailed(RuntimeError):
     """A failure during training, summarised on one line; the traceback is in train.log."""
 
 
-def _split_padded(images, labels, k: int, multiple: int = 1) -> list:
-    """One eval batch as ``k`` equal microbatches of a multiple of ``multiple`` samples,
-    filled up with copies of the first image labelled -1 (not counted)."""
+def _split_padded(fields: tuple, k: int, multiple: int = 1, fill_label: int = -1) -> list:
+    """One eval batch (images, labels, ...) as ``k`` equal microbatches of a multiple of
+    ``multiple`` samples, filled up with copies of the first sample labelled ``fill_label``
+    (the task leaves them out)."""
+    labels = fields[1]
     m = -(-len(labels) // k)
     m = -(-m // multiple) * multiple
     pad = m * k - len(labels)
     if pad:
-        images = torch.cat([images, images[:1].expand(pad, *images.shape[1:])])
-        labels = torch.cat([labels, labels.new_full((pad,), -1)])
-    return list(zip(images.split(m), labels.split(m)))
+        fields = tuple(torch.cat([f, f.new_full((pad,), fill_label) if i == 1
+                                  else f[:1].expand(pad, *f.shape[1:])])
+                       for i, f in enumerate(fields))
+    return list(zip(*(f.split(m) for f in fields)))
 
 
 class Trainer:
@@ -109,16 +116,18 @@ class Trainer:
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  torch.cuda.get_device_name() if d.cuda else "CPU (gloo, shims active)")
 
+        # what is trained: the model, its batches and its loss (vitgraph.tasks)
+        self.task = make_task(cfg, d)
         t0 = time.time()
         self.train_set, self.val_set = build_datasets(cfg.data, cfg.train.seed)
+        self.task.attach(self.train_set, self.val_set)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
 
-        self.arch = resolve_arch(cfg.model)
-        self.num_classes = cfg.model.num_classes or len(self.train_set.classes)
+        self.num_classes = self.task.num_classes
         # this rank's model chunks: one per virtual pipeline stage (parallel.vpp)
-        self.chunks = build_model(cfg, d, self.num_classes)
+        self.chunks = self.task.build_model()
         self.model = self.chunks[0]
         if cfg.model.init_from and not readonly:
             from vitgraph.convert import init_from
@@ -134,19 +143,9 @@ class Trainer:
                                        d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.augment = None
-        if cfg.data.augment.enabled:
-            self.augment = BatchAugment(cfg.data.augment, self.arch.image_size, self.num_classes,
-                                        t.label_smoothing, t.seed, d.dp_rank)
-        self.seq_len = self.model.seq_len
-        self.flops_per_image = vit_flops_per_image(self.arch, self.model.num_prefix,
-                                                   self.num_classes)
-        n_params = sum(p.numel() for c in self.chunks for p in c.parameters())
-        padded = self.model.padded_len(t.micro_batch_size)
-        log.info("model: %s, spec %s, %d params on this rank, %d tokens%s, %.2f GFLOP/image "
-                 "(train), %s", cfg.model.name, resolve_spec(cfg.model.spec), n_params,
-                 self.seq_len, f" (padded to {padded}, masked)" if padded > self.seq_len else "",
-                 self.flops_per_image / 1e9, self._precision_name())
+        self.flops_per_sample = self.task.flops_per_sample
+        log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
+                 self._precision_name())
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
@@ -185,45 +184,39 @@ class Trainer:
             return f"fp8 ({self.cfg.train.fp8_recipe} scaling) + bf16"
         return "bf16" if self.bf16 else "fp32"
 
-    def _prepare(self, images, labels, key, model=None):
-        """One microbatch as the model takes it: (input, targets, labels) on the device.
-        ``key`` = (step, microbatch) for training (augmented when data.augment is on; targets
-        may come back mixed, i.e. soft), None for eval."""
-        models = [model] if model is not None else self.chunks  # None: for any chunk here
-        pre_process = any(unwrap(m).pre_process for m in models)
-        # Float16Module casts to bf16 on GPU; keep fp32 here
-        x, targets = prepare_batch(self.augment, images, labels, key, self.arch.image_size,
-                                   self.d.device, torch.float32, pre_process)
-        return x, targets, labels.to(self.d.device, non_blocking=True)
+    def _prepare(self, raw: tuple, key, model=None) -> tuple:
+        """One microbatch as the model takes it, on the device (the task's ``prepare``).
+        ``key`` = (step, microbatch) for training (augmented when data.augment is on), None
+        for eval; ``model``: the chunk it is for (None: any chunk of this rank)."""
+        models = [model] if model is not None else self.chunks
+        first_stage = any(unwrap(m).pre_process for m in models)
+        return self.task.prepare(raw, key, self.d.device, first_stage)
 
     def _feed(self, raw: list, model):
-        """The schedule's data iterator for one model chunk: ``raw`` [((images, labels), key)]
-        prepared one microbatch at a time, as the schedule asks."""
-        for (images, labels), key in raw:
-            yield self._prepare(images, labels, key, model)
+        """The schedule's data iterator for one model chunk: ``raw`` [(fields, key)] prepared
+        one microbatch at a time, as the schedule asks."""
+        for fields, key in raw:
+            yield self._prepare(fields, key, model)
 
-    def _forward_step(self, data_iterator, model, label_smoothing=0.0):
+    def _forward_step(self, data_iterator, model):
         """megatron-core's ``forward_step_func``: (output, loss_func) for one microbatch."""
-        x, targets, labels = next(data_iterator)
-        if targets.is_floating_point():
-            label_smoothing = 0.0  # folded into the mixed targets
-        out = model(x)
+        inputs = next(data_iterator)
+        output = self.task.forward(model, inputs)
 
-        def loss_func(output):
-            output = output.float()
-            valid = labels >= 0  # -1: a sample that only fills an eval microbatch
-            n = valid.sum()
-            loss = F.cross_entropy(output, targets, label_smoothing=label_smoothing,
-                                   ignore_index=-1)
+        def loss_func(out):
+            loss, stats = self.task.loss(inputs, out)
             if self._fault is not None:  # train.inject_nan_steps: 1, or NaN at a chosen step
                 loss = loss * self._fault
-            correct = ((output.argmax(-1) == labels) & valid).sum()
-            # the schedule divides `loss` in place by the number of microbatches: log a clone
-            total = torch.where(n > 0, loss.detach().clone() * n, 0.0)
-            stats = torch.stack([total, correct.float(), n.float()])
+                stats = stats * self._fault
             return loss, {"stats": stats}
 
-        return out, loss_func
+        return output, loss_func
+
+    def _eval_step(self, data_iterator, model):
+        inputs = next(data_iterator)
+        output = self.task.forward(model, inputs)
+        return output, lambda out: (torch.zeros((), device=self.d.device),
+                                    self.task.eval_outputs(inputs, out))
 
     def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum [loss*n, correct, n] over the world: only last-stage ranks hold values, and each
@@ -240,12 +233,12 @@ class Trainer:
         keys = [(self.step, i) for i in range(len(batches))]
         if isinstance(self.graphs, StepGraphs):
             self.optimizer.load_lr()
-            inputs = [self._prepare(im, lb, k) for (im, lb), k in zip(batches, keys)]
+            inputs = [self._prepare(fields, k) for fields, k in zip(batches, keys)]
             stats, grad_norm, ok = self.graphs.run(inputs, self._step_body)
             self.scheduler.step(increment=1)  # a skipped step is only known on the device
             return stats, grad_norm, ok
         # eager: each microbatch is prepared when the schedule asks for it
-        data = [((im, lb), k) for (im, lb), k in zip(batches, keys)]
+        data = list(zip(batches, keys))
         stats, grad_norm, ok = self._step_body(data, lazy=True)
         if ok:
             self.scheduler.step(increment=1)
@@ -258,15 +251,15 @@ class Trainer:
             for w in self.wrapped:
                 w.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mb = len(data[0][0][1]) if lazy else len(data[0][2])
-
+        mb = len(data[0][0][1]) if lazy else len(data[0][-1])  # labels: raw [1], prepared [-1]
         out = self.forward_backward(
-            forward_step_func=partial(self._forward_step,
-                                      label_smoothing=self.cfg.train.label_smoothing),
+            forward_step_func=self._forward_step,
             data_iterator=[self._feed(data, w) if lazy else iter(data) for w in self.wrapped],
             model=self.wrapped, num_microbatches=len(data),
-            seq_length=self.model.padded_len(mb), micro_batch_size=mb, forward_only=False)
+            seq_length=self.task.seq_length(self.chunks, mb), micro_batch_size=mb,
+            forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
+        self.task.after_update(self.chunks)
         stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
         if lazy:
             return [stats, grad_norm, ok]
@@ -275,31 +268,30 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, dataset=None) -> dict:
-        """Loss and top-1 on ``dataset`` (default the held-out split), never augmented."""
+        """The task's held-out metrics on ``dataset`` (default the held-out split), never
+        augmented: forward-only through the schedule, reduced by the task."""
         for w in self.wrapped:
             w.eval()
-        total = torch.zeros(3, device=self.d.device)
+        outputs = []
         # the interleaved schedule needs at least pp microbatches; FP8 GEMMs a token count that
         # is a multiple of 16: a model that does not pad its tokens gets filled-up batches
         k = self.d.pp if self.d.vpp > 1 else 1
-        fill = 16 if self.cfg.train.precision == "fp8" and self.model.pad_to is None else 1
-        for images, labels in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
-                                           self.d.dp_rank, self.d.dp):
-            mbs = _split_padded(images, labels, k, fill)
+        fill = 16 if self.cfg.train.precision == "fp8" and \
+            getattr(self.model, "pad_to", None) is None else 1
+        for fields in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
+                                   self.d.dp_rank, self.d.dp):
+            mbs = _split_padded(fields, k, fill, self.task.fill_label)
             mb = len(mbs[0][1])
-            out = self.forward_backward(
-                forward_step_func=self._forward_step,
-                data_iterator=[self._feed([((im, lb), None) for im, lb in mbs], w)
-                               for w in self.wrapped],
-                model=self.wrapped, num_microbatches=k, seq_length=self.model.padded_len(mb),
-                micro_batch_size=mb, forward_only=True)
-            for o in out:
-                total += o["stats"]
+            outputs += self.forward_backward(
+                forward_step_func=self._eval_step,
+                data_iterator=[self._feed([(f, None) for f in mbs], w) for w in self.wrapped],
+                model=self.wrapped, num_microbatches=k,
+                seq_length=self.task.seq_length(self.chunks, mb), micro_batch_size=mb,
+                forward_only=True)
+        metrics = self.task.eval_metrics(outputs, self.chunks)
         for w in self.wrapped:
             w.train()
-        loss_sum, correct, n = self._reduce(total).tolist()
-        return {"eval_loss": loss_sum / max(n, 1), "eval_top1": correct / max(n, 1),
-                "eval_images": int(n)}
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -397,7 +389,7 @@ class Trainer:
                     torch.cuda.synchronize()
                 dt = time.time() - t_window
                 ips = window_steps * t.global_batch_size / dt
-                tflops = ips * self.flops_per_image / d.world / 1e12  # per GPU
+                tflops = ips * self.flops_per_sample / d.world / 1e12  # per GPU
                 record = {"step": self.step, "epoch": self.loader.epoch,
                           # None when every step of the window was skipped
                           "loss": loss_sum / n if n else None,
@@ -430,8 +422,7 @@ class Trainer:
             if (t.eval_every and self.step % t.eval_every == 0) and not last:
                 evals = self.evaluate()
                 self._log({"step": self.step, **evals})
-                log.info("eval step %d | top1 %.4f | loss %.4f", self.step, evals["eval_top1"],
-                         evals["eval_loss"])
+                log.info("eval step %d | %s", self.step, _eval_line(evals))
                 t_window = time.time()  # eval time stays out of img/s
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
                 health.check(self.step)  # a run of bad steps at the limit stops unsaved
@@ -442,8 +433,7 @@ class Trainer:
         wall = time.time() - t_start
         evals = self.evaluate()
         self._log({"step": self.step, **evals})
-        log.info("eval step %d | top1 %.4f | loss %.4f", self.step, evals["eval_top1"],
-                 evals["eval_loss"])
+        log.info("eval step %d | %s", self.step, _eval_line(evals))
         if self.step > self._saved_step:
             self.save()
         record = record or self._last_train_record()  # finishing a run stopped after its save

@@ -1,0 +1,77 @@
+"""A task: what one kind of training brings to the one Trainer (vitgraph.train.loop).
+
+The Trainer owns everything a task does not vary: process groups, the schedule (megatron-core's
+forward-backward), DDP and the optimizer, graphs, checkpoints, logging and the eval loop. A task
+supplies, through this interface only:
+
+* ``attach(train, val)``: anything it adds to the datasets (the contrastive task tokenizes the
+  captions once, so every microbatch carries its token ids);
+* ``build_model()``: this rank's model chunks (one per virtual pipeline stage);
+* ``prepare(raw, key, device, first_stage)``: one microbatch as the model takes it, on the
+  device (augmented when ``key`` is a training (step, microbatch) pair);
+* ``forward(model, inputs)`` and ``loss(inputs, output) -> (loss, stats)``, where stats is
+  the float tensor [loss x n, correct, n] summed into the logged loss and top-1;
+* ``after_update(chunks)``: in-place fixes after each optimizer update (inside a captured
+  step too, so device ops only);
+* ``eval_outputs(inputs, output)`` (one forward-only microbatch's results) and
+  ``eval_metrics(outputs, chunks)`` (the held-out numbers, reduced over the ranks).
+
+Task code never calls back into the Trainer.
+"""
+from __future__ import annotations
+
+import torch
+
+from vitgraph.config import Config
+from vitgraph.parallel.setup import Dist
+
+
+class Task:
+    name = "abstract"
+    fill_label = -1  # the label of samples that only fill an eval microbatch up
+
+    def __init__(self, cfg: Config, d: Dist):
+        self.cfg, self.d = cfg, d
+        self.num_classes = 0
+
+    def attach(self, train_set, val_set) -> None:
+        self.num_classes = self.cfg.model.num_classes or len(train_set.classes)
+
+    def build_model(self) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    # what the log and the schedule need to know about the model
+    image_size: int = 0
+    flops_per_sample: float = 0.0  # training FLOPs per sample (image or image-text pair)
+
+    def describe(self, chunks: list, micro_batch: int) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def seq_length(self, chunks: list, micro_batch: int) -> int:
+        """The activation length between pipeline stages (megatron's ``seq_length``)."""
+        return 1
+
+    # a step
+    def prepare(self, raw: tuple, key, device, first_stage: bool) -> tuple:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward(self, model, inputs: tuple):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def loss(self, inputs: tuple, output) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+    def after_update(self, chunks: list) -> None:
+        pass
+
+    # held-out evaluation
+    def eval_outputs(self, inputs: tuple, output) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def eval_metrics(self, outputs: list[dict], chunks: list) -> dict:  # pragma: no cover
+        raise NotImplementedError
+
+
+def stats(loss_sum: torch.Tensor, correct: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The [loss x n, correct, n] vector the loop sums; an empty microbatch adds nothing."""
+    return torch.stack([torch.where(n > 0, loss_sum, 0.0), correct.float(), n.float()])

@@ -1,0 +1,167 @@
+"""Image-text contrastive training (CLIP / SigLIP) with zero-shot and retrieval evaluation.
+
+* Data: every image's caption, tokenized once (byte-level, vitgraph.text) into the dataset's
+  ``tokens``; microbatches carry them. A dataset without captions is a data error.
+* Model: an image-text pair from the registry (vitgraph.models.clip), on one pipeline stage.
+* Loss: InfoNCE (``clip``) or the sigmoid loss with its bias (``siglip``), negatives from every
+  data-parallel rank of the microbatch (vitgraph.tasks.contrastive_loss). The logged top-1 is
+  image->text accuracy within this rank's microbatch.
+* After each update the logit scale is clamped to [0, ln 100] as open_clip does, the fp32
+  master copy of the optimizer included (megatron's ``main_param``).
+* Held-out: image and text features of the whole split, gathered over data-parallel ranks;
+  zero-shot top-1 from class-name prompts (templates averaged) and image<->text recall@1/5.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from vitgraph.data.augment import BatchAugment, prepare_batch
+from vitgraph.data.loader import DataError
+from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
+from vitgraph.models.registry import resolve_clip_arch
+from vitgraph.models.specs import resolve_spec
+from vitgraph.models.vit import unwrap
+from vitgraph.parallel.setup import token_padding, transformer_config
+from vitgraph.tasks.base import Task, stats
+from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
+from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
+                                                 zero_shot_top1)
+from vitgraph.text.tokenizer import ByteTokenizer
+
+
+def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
+    """Training FLOPs of one sample through a tower, T * (6N + 12 L d T) (DESIGN.md)."""
+    return tokens * (6 * n_params + 12 * layers * width * tokens)
+
+
+class ContrastiveTask(Task):
+    name = "contrastive"
+    fill_label = -2  # -1 is an unlabelled pair (WebDataset txt without cls): kept for retrieval
+
+    def __init__(self, cfg, d):
+        super().__init__(cfg, d)
+        self.arch = resolve_clip_arch(cfg.model)
+        self.image_size = self.arch.vision.image_size
+        self.context_length = cfg.task.context_length or self.arch.text.context_length
+        self.tokenizer = ByteTokenizer(self.context_length)
+        loss = cfg.task.loss
+        if loss == "auto":
+            loss = "siglip" if self.arch.init_logit_bias is not None else "clip"
+        self.loss_name = loss
+        self.augment = None
+        self.classes: list[str] = []
+
+    def attach(self, train_set, val_set) -> None:
+        super().attach(train_set, val_set)
+        self.classes = list(val_set.classes)
+        for name, ds in (("training", train_set), ("held-out", val_set)):
+            if ds.captions is None:
+                raise DataError(f"data.kind={self.cfg.data.kind}: the {name} images have no "
+                                "captions; task.kind=contrastive needs image-text pairs (the "
+                                "shapes data or WebDataset jpg+txt shards)")
+            if ds.tokens is None:
+                ds.tokens = self.tokenizer(ds.captions)
+        a = self.cfg.data.augment
+        if a.enabled:  # crops, flips, RandAugment, erasing; no label mixing (validated)
+            self.augment = BatchAugment(a, self.image_size, self.num_classes, 0.0,
+                                        self.cfg.train.seed, self.d.dp_rank)
+
+    def build_model(self) -> list:
+        cfg, d = self.cfg, self.d
+        pad = token_padding(cfg, cfg.train.micro_batch_size)
+        bias = None
+        if self.loss_name == "siglip" and self.arch.init_logit_bias is None:
+            bias = -10.0  # SigLIP's initial bias, for a pair registered without one
+        model = build_clip(self.arch, transformer_config(cfg, d), resolve_spec(cfg.model.spec),
+                           seed=cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
+                           context_length=self.context_length,
+                           pad_to=(lambda b: token_padding(cfg, b)) if pad > 1 else None,
+                           init_logit_bias=bias)
+        v, t = self.arch.vision, self.arch.text
+        n_text = sum(p.numel() for p in model.text.parameters()) - t.vocab_size * t.hidden_size
+        self.flops_per_sample = (
+            _tower_flops(sum(p.numel() for p in model.visual.parameters()), model.visual.seq_len,
+                         v.num_layers, v.hidden_size)
+            + _tower_flops(n_text, self.context_length, t.num_layers, t.hidden_size))
+        return [model]
+
+    def describe(self, chunks, micro_batch):
+        m = chunks[0]
+        return (f"{self.cfg.model.name} ({self.loss_name} loss), spec "
+                f"{resolve_spec(self.cfg.model.spec)}, "
+                f"{sum(p.numel() for p in m.parameters())} params on this rank, "
+                f"{m.visual.seq_len} image tokens, {self.context_length} text positions, "
+                f"{self.flops_per_sample / 1e9:.2f} GFLOP/pair (train)")
+
+    def prepare(self, raw, key, device, first_stage):
+        images, labels, tokens = raw
+        x, _ = prepare_batch(self.augment, images, labels, key, self.image_size, device,
+                             torch.float32, first_stage)
+        return (x, tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+
+    def forward(self, model, inputs):
+        return model(inputs[0], inputs[1])
+
+    def _features(self, output):
+        image, text, scale = (t.float() for t in output[:3])
+        bias = output[3].float() if len(output) > 3 else None
+        return image, text, scale, bias
+
+    def loss(self, inputs, output):
+        image, text, scale, bias = self._features(output)
+        group = ps.get_data_parallel_group() if dist.is_initialized() else None
+        if self.loss_name == "siglip":
+            if bias is None:  # pragma: no cover - build_model gives such a model a bias
+                raise ValueError("the sigmoid loss needs a model with a logit bias")
+            loss = siglip_loss(image, text, scale, bias, group=group)
+        else:
+            loss = clip_loss(image, text, scale, group=group)
+        b = image.shape[0]
+        n = torch.tensor(b, device=image.device)
+        with torch.no_grad():
+            correct = ((image @ text.T).argmax(dim=1) == torch.arange(b, device=image.device)).sum()
+        return loss, stats(loss.detach().clone() * n, correct, n)
+
+    @torch.no_grad()
+    def after_update(self, chunks):
+        for chunk in chunks:
+            p = unwrap(chunk).logit_scale
+            for t in (p, getattr(p, "main_param", None)):  # the fp32 master copy too
+                if t is not None:
+                    t.clamp_(0.0, MAX_LOGIT_SCALE)
+
+    # ------------------------------------------------------------------ held-out
+
+    def eval_outputs(self, inputs, output):
+        image, text, _, _ = self._features(output)
+        return {"image": image, "text": text, "labels": inputs[2]}
+
+    @torch.no_grad()
+    def eval_metrics(self, outputs, chunks):
+        image = torch.cat([o["image"] for o in outputs])
+        text = torch.cat([o["text"] for o in outputs])
+        labels = torch.cat([o["labels"] for o in outputs])
+        keep = labels != self.fill_label  # filler samples of a padded eval microbatch
+        image, text, labels = image[keep], text[keep], labels[keep]
+        if dist.is_initialized() and self.d.dp > 1:  # every rank's share of the split
+            parts = [None] * self.d.dp
+            dist.all_gather_object(parts, (image.cpu(), text.cpu(), labels.cpu()),
+                                   group=ps.get_data_parallel_group())
+            image, text, labels = (torch.cat([p[i] for p in parts]).to(self.d.device)
+                                   for i in range(3))
+        model = unwrap(chunks[0])
+
+        def encode(tokens):
+            return model.encode_text(tokens.to(self.d.device)).float()
+
+        out = {"eval_images": len(labels)}
+        labelled = labels >= 0
+        if self.classes and labelled.any():  # zero-shot over the labelled pairs
+            templates = self.cfg.task.templates or TEMPLATES
+            classes = class_embeddings(encode, self.tokenizer, self.classes, templates)
+            out["eval_top1"] = zero_shot_top1(image[labelled], classes, labels[labelled])
+        out.update({f"eval_{k}": v for k, v in retrieval_recall(image, text).items()})
+        return out
+
