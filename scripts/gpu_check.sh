@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, for a CUDA machine with TE and megatron-core importable
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
-#   usage: scripts/gpu_check.sh [tests|train|graphs-train|multi|bench ...]   (default: tests train)
+#   usage: scripts/gpu_check.sh [tests|train|graphs-train|multi|resume-optim|fp8-curve|data|clip|
+#          loop-rate|bench ...]   (default: tests train)
 #   multi (2 GPUs): pp=2 1F1B eager and with graphs, pp=2 interleaved (vpp 2) with graphs, tp=2
 #   with sequence parallel, dp=2 with the distributed optimizer, each against the one-GPU curve
 #   (ViT-B/16, 8 microbatches of 8 a step); then the pp=2 run resumes at dp=2 from step 25.
 #   resume-optim (1 GPU): saved with the distributed optimizer, resumed without it.
 #   fp8-curve (1 GPU): ViT-B/16, 500 steps on the embedded data, bf16 against fp8 (current).
+#   data (1 GPU): scripts/bench_data.py, JPEG decode at 224 (nvJPEG and CPU threads).
+#   clip (1 GPU): clip_vit_b16 eager vs graphs over 100 steps, and the CLIP bench rows (open_clip
+#   from a wheel: `python3 -m pip install -q --no-deps --target /tmp/site .te/wheels/*.whl`).
 #   loop-rate (1 GPU): ViT-L/16 at micro-batch 256 through `vitgraph train` on the embedded data
 #   (the input pipeline included), to hold against bench.py's step rate.
 set -uo pipefail
@@ -105,6 +109,21 @@ for s in "${steps[@]}"; do
         checkpoint.every=0 train.progress=false run.dir=/tmp/loop \
         model.num_classes=10 data.augment.enabled=false parallel.tp=1 > "$out/loop_rate.log" 2>&1
       grep "img/s" "$out/loop_rate.log" | tail -4 ;;
+    data) timeout 120 python3 scripts/bench_data.py --out "$out/bench_data.json" 2>&1 | tee "$out/bench_data.log" | tail -8 ;;
+    clip)
+      # clip_vit_b16 (TE, bf16) on the captioned shapes: eager and layer graphs, 100 steps each,
+      # then vitgraph's contrastive step against open_clip's (its wheel: see the header)
+      c=(configs/clip-b16.yaml data.kind=shapes data.render_size=32 data.num_train=20000
+         data.num_val=1000 data.workers=8 train.steps=100 train.global_batch_size=128
+         train.micro_batch_size=128 train.log_every=10 train.eval_every=0 checkpoint.every=0
+         optim.warmup_steps=10 train.progress=false)
+      timeout 150 python -m vitgraph train "${c[@]}" graphs.enabled=false run.dir=/tmp/clip_eager > "$out/clip_eager.log" 2>&1
+      timeout 150 python -m vitgraph train "${c[@]}" run.dir=/tmp/clip_graphs > "$out/clip_graphs.log" 2>&1
+      cp /tmp/clip_eager/log.jsonl "$out/clip_eager.jsonl"; cp /tmp/clip_graphs/log.jsonl "$out/clip_graphs.jsonl"
+      python scripts/compare_curves.py "$out/clip_eager.jsonl" "$out/clip_graphs.jsonl" --rtol 2e-3 2>&1 | tee "$out/clip_curves.txt"
+      timeout 240 python scripts/bench.py --model clip_vit_b16 --micro-batches 256 --systems vitgraph \
+        vitgraph+graphs vitgraph+step-graphs open_clip open_clip+compile --warmup 5 --iters 6 \
+        --out "$out/bench_clip.json" 2>&1 | tee "$out/bench_clip.log" | tail -8 ;;
     bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
   esac
 done
