@@ -67,6 +67,7 @@ def _sync_time() -> float:
 
 
 PROFILE = None  # --profile N: cProfile N steps after warm-up, print the top functions
+KERNELS = None  # --kernels N: torch.profiler over N steps after warm-up, print the top kernels
 
 
 def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
@@ -87,6 +88,23 @@ def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
         torch.cuda.synchronize()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if KERNELS:
+        # GPU time by kernel (graph replays included): what stands between the step and the
+        # matmul ceiling; the idle share is wall time the GPU had nothing to do
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(KERNELS):
+                step()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        print(f"profile: {KERNELS} steps, {wall / KERNELS * 1e3:.2f} ms/step wall, GPU busy "
+              f"{busy / KERNELS * 1e3:.2f} ms/step ({100 * busy / wall:.0f}%)", flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30),
+              flush=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # graphs were captured in the warm-up: their pools count
     blocks = []
@@ -327,9 +345,11 @@ def main() -> int:
     ap.add_argument("--override", nargs="*", default=[],
                     help="extra vitgraph config overrides (key=value) for the vitgraph systems")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many steps per system")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="torch.profiler over this many steps per system: top kernels by GPU time")
     args = ap.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, KERNELS
+    PROFILE, KERNELS = args.profile, args.kernels
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     rank0 = int(os.environ.get("RANK", "0")) == 0
 

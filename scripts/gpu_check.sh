@@ -2,7 +2,7 @@
 # The GPU checks, in one go, for a CUDA machine with TE and megatron-core importable
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
 #   usage: scripts/gpu_check.sh [tests|train|graphs-train|multi|resume-optim|fp8-curve|data|clip|
-#          loop-rate|bench ...]   (default: tests train)
+#          profile|loop-rate|bench ...]   (default: tests train)
 #   multi (2 GPUs): pp=2 1F1B eager and with graphs, pp=2 interleaved (vpp 2) with graphs, tp=2
 #   with sequence parallel, dp=2 with the distributed optimizer, each against the one-GPU curve
 #   (ViT-B/16, 8 microbatches of 8 a step); then the pp=2 run resumes at dp=2 from step 25.
@@ -11,6 +11,7 @@
 #   data (1 GPU): scripts/bench_data.py, JPEG decode at 224 (nvJPEG and CPU threads).
 #   clip (1 GPU): clip_vit_b16 eager vs graphs over 100 steps, and the CLIP bench rows (open_clip
 #   from a wheel: `python3 -m pip install -q --no-deps --target /tmp/site .te/wheels/*.whl`).
+#   profile (1 GPU): torch.profiler kernel table of the ViT-L/16 step-graph step, mb 8 and 256.
 #   loop-rate (1 GPU): ViT-L/16 at micro-batch 256 through `vitgraph train` on the embedded data
 #   (the input pipeline included), to hold against bench.py's step rate.
 set -uo pipefail
@@ -124,6 +125,14 @@ for s in "${steps[@]}"; do
       timeout 240 python scripts/bench.py --model clip_vit_b16 --micro-batches 256 --systems vitgraph \
         vitgraph+graphs vitgraph+step-graphs open_clip open_clip+compile --warmup 5 --iters 6 \
         --out "$out/bench_clip.json" 2>&1 | tee "$out/bench_clip.log" | tail -8 ;;
+    profile)
+      # GPU time by kernel of the step-graph step at micro-batch 8 and 256 (ViT-L/16): issue 6
+      for mb in 8 256; do
+        timeout 150 python scripts/bench.py --model vit_l16_224 --micro-batches $mb \
+          --systems vitgraph+step-graphs --warmup 6 --iters 3 --kernels 5 \
+          --out "$out/profile_mb$mb.json" > "$out/profile_mb$mb.log" 2>&1
+        grep -A40 "^profile:" "$out/profile_mb$mb.log" | head -45
+      done ;;
     bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
   esac
 done
