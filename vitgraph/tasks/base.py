@@ -21,6 +21,7 @@ Task code never calls back into the Trainer.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from vitgraph.config import Config
 from vitgraph.parallel.setup import Dist
@@ -70,6 +71,14 @@ class Task:
 
     def eval_metrics(self, outputs: list[dict], chunks: list) -> dict:  # pragma: no cover
         raise NotImplementedError
+
+
+def reduce_stats(stats: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Sum [loss x n, correct, n] over the world: only last-stage ranks hold values, and each
+    tensor-parallel rank holds the same ones."""
+    stats = stats.to(d.device, torch.float64)
+    dist.all_reduce(stats)
+    return stats / d.tp
 
 
 def stats(loss_sum: torch.Tensor, correct: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

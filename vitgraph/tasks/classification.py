@@ -3,7 +3,6 @@ and mixed (mixup / cutmix) targets, held-out loss and top-1."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from vitgraph.data.augment import BatchAugment, prepare_batch
@@ -11,7 +10,7 @@ from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import resolve_spec
 from vitgraph.models.vit import vit_flops_per_image
 from vitgraph.parallel.setup import build_model
-from vitgraph.tasks.base import Task, stats
+from vitgraph.tasks.base import Task, reduce_stats, stats
 
 
 class ClassificationTask(Task):
@@ -75,9 +74,6 @@ class ClassificationTask(Task):
 
     def eval_metrics(self, outputs, chunks):
         total = sum((o["stats"] for o in outputs), torch.zeros(3, device=self.d.device))
-        total = total.to(torch.float64)
-        # only last-stage ranks hold values, and each tensor-parallel rank the same ones
-        dist.all_reduce(total)
-        loss_sum, correct, n = (total / self.d.tp).tolist()
+        loss_sum, correct, n = reduce_stats(total, self.d).tolist()
         return {"eval_loss": loss_sum / max(n, 1), "eval_top1": correct / max(n, 1),
                 "eval_images": int(n)}

@@ -23,6 +23,7 @@ from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel.setup import Dist, init_distributed, parallelize, shutdown, use_bf16
 from vitgraph.tasks import make_task
+from vitgraph.tasks.base import reduce_stats
 from vitgraph.train import checkpoint
 from vitgraph.train.health import StepHealth
 from vitgraph.train.optim import build_optimizer, build_scheduler
@@ -218,13 +219,6 @@ class Trainer:
         return output, lambda out: (torch.zeros((), device=self.d.device),
                                     self.task.eval_outputs(inputs, out))
 
-    def _reduce(self, stats: torch.Tensor) -> torch.Tensor:
-        """Sum [loss*n, correct, n] over the world: only last-stage ranks hold values, and each
-        tensor-parallel rank holds the same ones."""
-        stats = stats.to(self.d.device, torch.float64)
-        dist.all_reduce(stats)
-        return stats / self.d.tp
-
     def train_step(self, batches) -> tuple[torch.Tensor, object, object]:
         """One optimizer step over ``batches`` (this rank's microbatches): zero grads, the
         schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
@@ -383,7 +377,7 @@ class Trainer:
                 health.check(self.step)
             last = self.step == self.total_steps
             if self.step % t.log_every == 0 or last:
-                loss_sum, correct, n = self._reduce(window).tolist()
+                loss_sum, correct, n = reduce_stats(window, d).tolist()
                 window_norm, window_good = float(window_norm), int(window_good)
                 if d.cuda:
                     torch.cuda.synchronize()
