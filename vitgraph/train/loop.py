@@ -9,12 +9,10 @@ import resource
 import sys
 import time
 import traceback
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
@@ -126,7 +124,6 @@ class Trainer:
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
 
-        self.num_classes = self.task.num_classes
         # this rank's model chunks: one per virtual pipeline stage (parallel.vpp)
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
