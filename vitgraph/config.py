@@ -151,9 +151,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True  # GPU: reduce gradient buckets during the backward pass
     overlap_param_gather: bool = False  # GPU, distributed optimizer: gather params in forward
     # interleaved pipelining (vpp > 1): post stage-to-stage sends and receives one by one and
-    # overlap them with compute (megatron's overlap_p2p_comm). Off: batched exchanges. Off by
-    # default: with torch 2.11's eagerly made NCCL communicators, unbatched p2p ops are
-    # serialised on one stream, and pp=2 x vpp=2 hung in its first step on two H200s
+    # overlap them with compute (megatron's overlap_p2p_comm). Off: batched exchanges (two
+    # stages: one at a time, vitgraph.parallel.setup.p2p_mode says why)
     overlap_p2p_comm: bool = False
     # a collective that has not finished after this long ends the run with an error naming
     # the rank and the operation (NCCL watchdog / gloo timeout)

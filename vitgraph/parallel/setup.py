@@ -197,13 +197,25 @@ def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
         fp8_amax_compute_algo="max",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=fuse_wgrad, persist_layer_norm=False,
-        # p2p between pipeline stages: batched (one batch_isend_irecv per exchange), or with
-        # parallel.overlap_p2p_comm (interleaved only) posted one by one and overlapped with
-        # compute. No device-wide sync after a batch (megatron's workaround for old PyTorch; a
-        # sync cannot be captured in a whole-step graph)
-        batch_p2p_comm=d.cuda and not p.overlap_p2p_comm, overlap_p2p_comm=d.cuda and p.overlap_p2p_comm,
-        batch_p2p_sync=False,
+        **p2p_mode(d.pp, d.vpp, p.overlap_p2p_comm),
     )
+
+
+def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:
+    """How stages exchange activations and gradients (megatron's p2p settings), the same on
+    CPU (gloo) and GPU (NCCL).
+
+    Batched: one batch_isend_irecv per exchange. Not for two stages with interleaving: there
+    each rank's previous and next stage are the same peer, and one exchange sends it both the
+    activation (to next) and the gradient (to prev). Batched sends to one peer are matched to
+    its receives in posting order, which megatron's batch lists differently on the two sides,
+    so activation and gradient swap, silently (same shape; on two H200s the gradient norm
+    read 1e12). Unbatched, megatron sends one direction through another communicator.
+    ``overlap`` (interleaved only): posted one by one and overlapped with compute.
+    No device-wide sync after a batch: megatron's workaround for old PyTorch, and a sync
+    cannot be captured in a whole-step graph."""
+    batch = not overlap and not (pp == 2 and vpp > 1)
+    return dict(batch_p2p_comm=batch, overlap_p2p_comm=overlap, batch_p2p_sync=False)
 
 
 def token_padding(cfg: Config, micro_batch_size: int) -> int:
