@@ -65,10 +65,11 @@ for s in "${steps[@]}"; do
         [dp2_distopt]="2 parallel.distributed_optimizer=true"
         [pp2_vpp2]="2 parallel.pp=2 parallel.vpp=2 parallel.timeout_minutes=1"
         [pp2_vpp2_graphs]="2 parallel.pp=2 parallel.vpp=2 graphs.enabled=true parallel.timeout_minutes=1"
+        [pp2_vpp2_overlap]="2 parallel.pp=2 parallel.vpp=2 parallel.overlap_p2p_comm=true parallel.timeout_minutes=1"
         [pp2_step]="2 parallel.pp=2 graphs.enabled=true graphs.scope=step"
         [dp2_step]="2 graphs.enabled=true graphs.scope=step"
         [pp2_te]="2 parallel.pp=2 graphs.enabled=true graphs.impl=te")
-      names=(${MULTI:-one pp2 pp2_graphs tp2_sp tp2_sp_graphs dp2_distopt pp2_vpp2 pp2_vpp2_graphs pp2_step dp2_step pp2_te resume})
+      names=(${MULTI:-one pp2 pp2_graphs tp2_sp tp2_sp_graphs dp2_distopt pp2_vpp2 pp2_vpp2_graphs pp2_vpp2_overlap pp2_step dp2_step pp2_te resume})
       d=/tmp/multi
       for name in "${names[@]}"; do
         if [ "$name" = resume ]; then
