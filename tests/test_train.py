@@ -107,10 +107,30 @@ def test_capturable_adamw_checkpoints_in_te_layout_without_touching_live_state()
                                          torch.nn.Parameter(torch.zeros(2))], "wd_mult": 0.0}],
                             lr=1e-3)
     other.load_state_dict(sd)
+    # loaded, the count waits in the group: megatron's distributed optimizer copies the
+    # moments in key by key next, and a per-parameter 'step' had no source there (a GPU test's
+    # KeyError); complete_state (before the next step or capture) hands it out
+    for p in other.param_groups[0]["params"]:
+        assert "step" not in other.state[p] and other.state[p]["exp_avg"][0] == 0.5
+    assert other.param_groups[0]["step"] == 7
+    other.complete_state()
     for p in other.param_groups[0]["params"]:
         assert float(other.state[p]["step"]) == 7 and other.state[p]["exp_avg"][0] == 0.5
     assert "step" not in other.param_groups[0]
+    # torch's layout (a step per parameter) loads to the same
+    torch_sd = {**sd, "state": {k: {**v, "step": torch.tensor(7.0)} for k, v in sd["state"].items()},
+                "param_groups": [{k: v for k, v in g.items() if k != "step"}
+                                 for g in sd["param_groups"]]}
+    other.load_state_dict(torch_sd)
+    other.complete_state()
+    assert all(float(other.state[p]["step"]) == 7 for p in other.param_groups[0]["params"])
     # megatron's distributed optimizer loads the moments separately: a group step, no state
     bare = CapturableAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=1e-3)
     bare.load_state_dict({"state": {}, "param_groups": [{**sd["param_groups"][0], "params": [0]}]})
+    bare.complete_state()
     assert float(bare.state[bare.param_groups[0]["params"][0]]["step"]) == 7
+    # ... or as empty moments it then fills key by key: their keys must be just those
+    filled = CapturableAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))]}], lr=1e-3)
+    filled.load_state_dict({"state": {0: {"exp_avg": torch.empty(3), "exp_avg_sq": torch.empty(3)}},
+                            "param_groups": [{**sd["param_groups"][0], "params": [0]}]})
+    assert set(filled.state[filled.param_groups[0]["params"][0]]) == {"exp_avg", "exp_avg_sq"}

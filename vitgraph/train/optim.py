@@ -117,10 +117,15 @@ class CapturableAdamW(torch.optim.AdamW):
                       "decoupled_weight_decay")
         groups = [{k: v for k, v in g.items() if k not in torch_keys} for g in param_groups]
         super().__init__(groups, fused=True, capturable=True, **defaults)
+        self.state_complete = False
 
     def complete_state(self) -> None:
         """Every parameter's state, with its step count as a device tensor (megatron creates
-        moments without a step, and puts a loaded step count in the param group). Eager only."""
+        moments without a step, and puts a loaded step count in the param group). Eager only:
+        before the first step, and before the first step (or capture) after a load."""
+        if self.state_complete:
+            return
+        self.state_complete = True
         for g in self.param_groups:
             step = g.pop("step", None)
             for p in g["params"]:
@@ -151,16 +156,24 @@ class CapturableAdamW(torch.optim.AdamW):
         return sd
 
     def load_state_dict(self, state_dict):
-        # TE layout in: torch wants a step on every parameter's state before it takes it
+        # TE layout in (a torch layout, per-parameter steps, is taken too). torch wants a step
+        # on every parameter's state to take it; megatron's distributed optimizer then copies
+        # the moments into that state key by key, and a 'step' there has no source in its
+        # checkpoint. So the count is kept in the param group, as TE does, until
+        # complete_state hands it to every parameter before the next step.
         groups = [dict(g) for g in state_dict["param_groups"]]
         state = {k: dict(v) for k, v in state_dict["state"].items()}
         for g in groups:
-            step = g.get("step")  # kept in the group too: complete_state gives it to all
+            steps = [float(state[i]["step"]) for i in g["params"] if "step" in state.get(i, {})]
+            if "step" not in g and steps:
+                g["step"] = int(max(steps))
             for i in g["params"]:
                 if i in state and "step" not in state[i]:
-                    state[i]["step"] = torch.tensor(float(step or 0), dtype=torch.float32)
+                    state[i]["step"] = torch.tensor(float(g.get("step") or 0), dtype=torch.float32)
         super().load_state_dict({**state_dict, "state": state, "param_groups": groups})
-        self.complete_state()
+        for st in self.state.values():
+            st.pop("step", None)
+        self.state_complete = False
 
 
 class SyncFreeStep:
@@ -195,6 +208,8 @@ class SyncFreeStep:
 
     def load_lr(self) -> None:
         """Eager, before each step (or its replay): the schedule's LR into the device tensors."""
+        for part in self.parts:
+            part.optimizer.complete_state()  # after a load: before a capture can need it
         for t, g in zip(self._lrs, self._groups()):
             t.fill_(float(g["lr"]))
 
