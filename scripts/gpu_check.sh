@@ -9,6 +9,7 @@
 #   resume-optim (1 GPU): saved with the distributed optimizer, resumed without it.
 #   fp8-curve (1 GPU): ViT-B/16, 500 steps on the embedded data, bf16 against fp8 (current).
 #   data (1 GPU): scripts/bench_data.py, JPEG decode at 224 (nvJPEG and CPU threads).
+#   shards-train (1 GPU): ViT-B/16 trained from JPEG shards (nvJPEG) against in-memory data.
 #   clip (1 GPU): clip_vit_b16 eager vs graphs over 100 steps, and the CLIP bench rows (open_clip
 #   from a wheel: `python3 -m pip install -q --no-deps --target /tmp/site .te/wheels/*.whl`).
 #   profile (1 GPU): torch.profiler kernel table of the ViT-L/16 step-graph step, mb 8 and 256.
@@ -114,6 +115,25 @@ for s in "${steps[@]}"; do
         model.num_classes=10 data.augment.enabled=false parallel.tp=1 > "$out/loop_rate.log" 2>&1
       grep "img/s" "$out/loop_rate.log" | tail -4 ;;
     data) timeout 120 python3 scripts/bench_data.py --out "$out/bench_data.json" 2>&1 | tee "$out/bench_data.log" | tail -8 ;;
+    shards-train)
+      # ViT-B/16 (mb 256, 60 steps) from photo-like JPEG shards decoded by nvJPEG, against the
+      # same run on in-memory data (the shapes, resized on the device): the step rates must be
+      # within 5%. bench_data.py reads the same shards first.
+      sh=/tmp/shards_b16
+      if [ ! -d $sh ]; then
+        python scripts/shapes_imagefolder.py /tmp/sf_b16 --num-train 8192 --num-val 512 --format jpg \
+          --size 500x375 --noise 40 --no-cache > "$out/shards_make.log" 2>&1
+        python scripts/make_shards.py /tmp/sf_b16 $sh --shard-size 512 >> "$out/shards_make.log" 2>&1
+      fi
+      timeout 120 python3 scripts/bench_data.py --shards $sh --out "$out/bench_data.json" 2>&1 | tee "$out/bench_data.log" | tail -4
+      w=(configs/vit-b16-imagefolder.yaml train.steps=60 train.global_batch_size=256 train.micro_batch_size=256
+         train.log_every=20 train.eval_every=0 checkpoint.every=0 train.progress=false
+         data.augment.enabled=false data.workers=16 model.num_classes=10)
+      timeout 120 python -m vitgraph train "${w[@]}" data.kind=webdataset data.path=$sh data.decode=cuda \
+        run.dir=/tmp/b16_shards > "$out/train_b16_shards.log" 2>&1
+      timeout 120 python -m vitgraph train "${w[@]}" data.kind=shapes data.render_size=32 data.num_train=8192 \
+        data.num_val=512 run.dir=/tmp/b16_memory > "$out/train_b16_memory.log" 2>&1
+      grep -H "img/s" "$out/train_b16_shards.log" "$out/train_b16_memory.log" | sed 's/| TFLOP.*//' ;;
     clip)
       # clip_vit_b16 (TE, bf16) on the captioned shapes: eager and layer graphs, 100 steps each,
       # then vitgraph's contrastive step against open_clip's (its wheel: see the header)
@@ -125,8 +145,8 @@ for s in "${steps[@]}"; do
       timeout 150 python -m vitgraph train "${c[@]}" run.dir=/tmp/clip_graphs > "$out/clip_graphs.log" 2>&1
       cp /tmp/clip_eager/log.jsonl "$out/clip_eager.jsonl"; cp /tmp/clip_graphs/log.jsonl "$out/clip_graphs.jsonl"
       python scripts/compare_curves.py "$out/clip_eager.jsonl" "$out/clip_graphs.jsonl" --rtol 2e-3 2>&1 | tee "$out/clip_curves.txt"
-      timeout 240 python scripts/bench.py --model clip_vit_b16 --micro-batches 256 --systems vitgraph \
-        vitgraph+graphs vitgraph+step-graphs open_clip open_clip+compile --warmup 5 --iters 6 \
+      timeout 240 python scripts/bench.py --model clip_vit_b16 --micro-batches 256 --systems \
+        ${CLIP_SYSTEMS:-vitgraph vitgraph+graphs vitgraph+step-graphs open_clip open_clip+compile} --warmup 5 --iters 6 \
         --out "$out/bench_clip.json" 2>&1 | tee "$out/bench_clip.log" | tail -8 ;;
     profile)
       # GPU time by kernel of the step-graph step at micro-batch 8 and 256 (ViT-L/16): issue 6
