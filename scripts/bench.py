@@ -202,7 +202,7 @@ def bench_open_clip(model: str, mb: int, compile_mode: str | None, warmup: int,
     logit scale clamped after each step, as its training script does."""
     import open_clip
     from open_clip.loss import ClipLoss
-    net = open_clip.create_model(OPEN_CLIP_NAMES[model], pretrained=None).cuda()
+    net = open_clip.create_model(OPEN_CLIP_NAMES[model], pretrained=None, output_dict=True).cuda()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
     fwd = net if compile_mode is None else torch.compile(
         net, mode=None if compile_mode == "default" else compile_mode)

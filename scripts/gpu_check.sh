@@ -140,7 +140,7 @@ for s in "${steps[@]}"; do
       c=(configs/clip-b16.yaml data.kind=shapes data.render_size=32 data.num_train=20000
          data.num_val=1000 data.workers=8 train.steps=100 train.global_batch_size=128
          train.micro_batch_size=128 train.log_every=10 train.eval_every=0 checkpoint.every=0
-         optim.warmup_steps=10 train.progress=false)
+         optim.lr=1e-4 optim.warmup_steps=30 train.progress=false)  # 5e-4 after 10 warm-up steps collapsed (2026-11-30)
       timeout 150 python -m vitgraph train "${c[@]}" graphs.enabled=false run.dir=/tmp/clip_eager > "$out/clip_eager.log" 2>&1
       timeout 150 python -m vitgraph train "${c[@]}" run.dir=/tmp/clip_graphs > "$out/clip_graphs.log" 2>&1
       cp /tmp/clip_eager/log.jsonl "$out/clip_eager.jsonl"; cp /tmp/clip_graphs/log.jsonl "$out/clip_graphs.jsonl"
