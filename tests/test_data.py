@@ -387,6 +387,55 @@ def test_loader_resume():
         MicrobatchLoader(ds, 4, 2, 1, 2, seed=10).load_state_dict(sd)
 
 
+def test_prefetcher_hands_out_the_loaders_steps_and_checkpoints_what_it_handed_out():
+    """One step ahead in a thread: the same steps in the same order, and the saved position is
+    after the last step handed out (the thread is one further): a resume repeats and skips
+    nothing, across epochs too."""
+    from vitgraph.data.prefetch import Prefetcher
+    ds = toy(90)
+    plain = MicrobatchLoader(ds, 4, 2, 1, 2, seed=9)  # 5 steps per epoch
+    pre = Prefetcher(MicrobatchLoader(ds, 4, 2, 1, 2, seed=9), "cpu")
+    try:
+        for _ in range(7):
+            want = plain.next_step()
+            got = pre.next_step()
+            assert ids(got) == ids(want)
+            assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
+        assert pre.loader.state_dict()["step_in_epoch"] == 3  # made ahead
+        sd = pre.state_dict()
+        assert sd == plain.state_dict() == {"epoch": 1, "step_in_epoch": 2, "seed": 9}
+        assert pre.epoch == 1 and pre.steps_per_epoch == 5
+        expect = [ids(plain.next_step()) for _ in range(6)]
+        resumed = Prefetcher(MicrobatchLoader(ds, 4, 2, 1, 2, seed=9), "cpu")
+        resumed.load_state_dict(sd)
+        assert [ids(resumed.next_step()) for _ in range(6)] == expect
+        resumed.close()
+        # loading into a prefetcher that already ran ahead drops what it made
+        pre.load_state_dict(sd)
+        assert [ids(pre.next_step()) for _ in range(6)] == expect
+    finally:
+        pre.close()
+
+
+def test_prefetcher_raises_a_data_error_at_the_step_that_meets_it():
+    from vitgraph.data.prefetch import Prefetcher
+
+    class Broken(MicrobatchLoader):
+        def next_step(self):
+            if self.step_in_epoch == 2:
+                raise DataError("shard-000001.tar: truncated member at offset 512")
+            return super().next_step()
+
+    pre = Prefetcher(Broken(toy(90), 4, 2, 0, 1, seed=0), "cpu")
+    try:
+        pre.next_step()
+        pre.next_step()  # the thread has already met the error making step 3
+        with pytest.raises(DataError, match="truncated member"):
+            pre.next_step()
+    finally:
+        pre.close()
+
+
 @pytest.mark.parametrize("n,batch,dp", [(100, 8, 1), (100, 8, 3), (7, 4, 4), (2, 5, 3)])
 def test_iterate_eval_covers_once(n, batch, dp):
     ds = toy(n)
@@ -547,6 +596,26 @@ def test_device_decode_path_with_a_stand_in_decoder(shards):
     want = cpu.images[torch.tensor([3, 1, 7])]
     assert got.shape == want.shape and got.dtype == torch.uint8
     assert (got.float() - want.float()).abs().mean() < 2  # same size: no resize, same pixels
+
+
+def test_device_decode_resizes_each_size_as_one_batch_with_the_per_image_result():
+    """Mixed sizes: images are resized (shorter side, bicubic, antialiased) and center-cropped
+    in one batch per size, and each comes out as it would alone."""
+    import torch.nn.functional as F
+    from vitgraph.data.shards import EncodedImages, decode_on_device
+    g = torch.Generator().manual_seed(0)
+    raw = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g)
+           for h, w in [(40, 30), (30, 40), (40, 30), (16, 16), (30, 40)]]
+    batch = EncodedImages([torch.zeros(1, dtype=torch.uint8)] * len(raw), 16)
+    got = decode_on_device(batch, "cpu", decoder=lambda data: raw)
+    for im, out in zip(raw, got):
+        h, w = im.shape[-2:]
+        nh, nw = max(16, round(h * 16 / min(h, w))), max(16, round(w * 16 / min(h, w)))
+        if (nh, nw) != (h, w):
+            im = F.interpolate(im[None].float(), size=(nh, nw), mode="bicubic",
+                               align_corners=False, antialias=True)[0].round().clamp(0, 255)
+        top, left = (nh - 16) // 2, (nw - 16) // 2
+        assert torch.equal(out, im[:, top:top + 16, left:left + 16].permute(1, 2, 0).to(torch.uint8))
 
 
 def test_cache_one_entry_per_dataset_whatever_the_run_seed_and_bounded(tmp_path):

@@ -88,6 +88,10 @@ class DataConfig:
     decode: str = "cpu"
     # webdataset: shards are shuffled, and samples within windows of this many shards
     shuffle_shards: int = 4
+    # make the next step's microbatches while this one trains, in a thread: shard reads and
+    # decoding, and on a GPU the copies to the device (pinned) and nvJPEG decode on a side
+    # stream (vitgraph/data/prefetch.py). Changes no batch; off: made between steps
+    prefetch: bool = True
 
 
 @dataclass

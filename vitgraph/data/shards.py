@@ -220,15 +220,23 @@ def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
         imgs = decoder(batch.data)
     s = batch.size
     out = torch.empty((len(imgs), s, s, 3), dtype=torch.uint8, device=device)
+    # images of one size (most of a photo dataset) are resized and cropped as one batch: a
+    # few kernels per size instead of a handful per image
+    by_size: dict[tuple, list[int]] = {}
     for i, im in enumerate(imgs):
-        im = im.to(device)
-        h, w = im.shape[-2:]
+        by_size.setdefault(tuple(im.shape[-2:]), []).append(i)
+    for (h, w), idx in by_size.items():
+        ims = torch.stack([imgs[i].to(device) for i in idx])
         scale = s / min(h, w)
         nh, nw = max(s, round(h * scale)), max(s, round(w * scale))
         if (nh, nw) != (h, w):
-            im = F.interpolate(im[None].float(), size=(nh, nw), mode="bicubic",
-                               align_corners=False, antialias=True)[0]
-            im = im.round_().clamp_(0, 255).to(torch.uint8)
+            ims = F.interpolate(ims.float(), size=(nh, nw), mode="bicubic",
+                                align_corners=False, antialias=True)
+            ims = ims.round_().clamp_(0, 255).to(torch.uint8)
         top, left = (nh - s) // 2, (nw - s) // 2
-        out[i] = im[:, top:top + s, left:left + s].permute(1, 2, 0)
+        crop = ims[:, :, top:top + s, left:left + s].permute(0, 2, 3, 1)
+        if len(idx) == len(imgs):
+            out.copy_(crop)
+        else:
+            out[torch.tensor(idx, device=out.device)] = crop
     return out

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
+from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel.setup import Dist, init_distributed, parallelize, shutdown, use_bf16
@@ -139,6 +140,8 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
         self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size, self.num_microbatches,
                                        d.dp_rank, d.dp, t.seed)
+        if cfg.data.prefetch:
+            self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
@@ -474,6 +477,8 @@ class Trainer:
     def close(self, shutdown_dist: bool = True, failed: bool = False):
         if self.stops is not None:
             self.stops.close(wait=not failed)
+        if isinstance(getattr(self, "loader", None), Prefetcher):
+            self.loader.close()
         if self.writer is not None:
             self.writer.close()
         if self.graphs is not None:
