@@ -178,6 +178,10 @@ class TaskConfig:
     # contrastive: text positions used (null: the tower's registered context length); longer
     # captions are cut, keeping the end of text
     context_length: Optional[int] = None
+    # contrastive: byte (vitgraph's byte-level ids, any tower) | bpe (OpenAI CLIP's BPE from
+    # open_clip's packaged vocabulary; towers with its 49,408 ids, as pretrained CLIP weights
+    # need) | auto (bpe for such towers, else byte). Nothing is downloaded either way
+    tokenizer: str = "auto"
     # contrastive: zero-shot prompts, "{}" the class name; each class's text embedding is the
     # mean over them (null: OpenAI CLIP's style, vitgraph.tasks.contrastive_metrics.TEMPLATES)
     templates: Optional[list] = None
@@ -354,6 +358,21 @@ def _validate_contrastive(cfg: Config, err) -> None:
                                  "parallelism for the pair of towers is not supported): use tp / dp")
     if p.sequence_parallel:
         err("parallel.sequence_parallel", True, "the text tower has no sequence parallelism yet")
+    from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
+    if cfg.task.tokenizer not in ("auto", "byte", "bpe"):
+        err("task.tokenizer", cfg.task.tokenizer, "must be auto, byte or bpe")
+    if tokenizer_kind(cfg.task.tokenizer, arch.text.vocab_size) == "bpe":
+        from vitgraph.text.bpe import available
+        if arch.text.vocab_size != BPE_VOCAB_SIZE:
+            err("task.tokenizer", "bpe", f"CLIP's BPE has {BPE_VOCAB_SIZE} ids; the text tower of "
+                                         f"{cfg.model.name} has {arch.text.vocab_size}: use byte")
+        missing = available()
+        if missing:
+            err("task.tokenizer", cfg.task.tokenizer, f"{cfg.model.name}'s text tower takes CLIP's "
+                f"BPE ids, which need {missing}; or set task.tokenizer=byte to train it on bytes")
+    elif arch.text.vocab_size < 259:
+        err("task.tokenizer", cfg.task.tokenizer, f"byte ids need a text tower of >= 259 ids; "
+                                                  f"{cfg.model.name} has {arch.text.vocab_size}")
     n = cfg.task.context_length
     if n is not None and not 3 <= n <= arch.text.context_length:
         err("task.context_length", n, f"must be between 3 and the text tower's "

@@ -28,7 +28,7 @@ from vitgraph.tasks.base import Task, stats
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
                                                  zero_shot_top1)
-from vitgraph.text.tokenizer import ByteTokenizer
+from vitgraph.text import make_tokenizer
 
 
 def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
@@ -45,7 +45,8 @@ class ContrastiveTask(Task):
         self.arch = resolve_clip_arch(cfg.model)
         self.image_size = self.arch.vision.image_size
         self.context_length = cfg.task.context_length or self.arch.text.context_length
-        self.tokenizer = ByteTokenizer(self.context_length)
+        self.tokenizer = make_tokenizer(cfg.task.tokenizer, self.arch.text.vocab_size,
+                                        self.context_length)
         loss = cfg.task.loss
         if loss == "auto":
             loss = "siglip" if self.arch.init_logit_bias is not None else "clip"

@@ -1,2 +1,21 @@
-"""Text side of image–text training: the offline tokenizer (the text tower lives in
-vitgraph.models.text)."""
+"""Text side of image–text training: the offline tokenizers (the text tower lives in
+vitgraph.models.text). ``byte``: vitgraph's own byte-level one (any tower with >= 259 ids);
+``bpe``: OpenAI CLIP's BPE from open_clip's packaged vocabulary (towers with its 49,408 ids,
+which pretrained CLIP weights need)."""
+
+BPE_VOCAB_SIZE = 49408
+
+
+def tokenizer_kind(kind: str, vocab_size: int) -> str:
+    """task.tokenizer with auto resolved: bpe for a tower with CLIP's vocabulary, else byte."""
+    if kind != "auto":
+        return kind
+    return "bpe" if vocab_size == BPE_VOCAB_SIZE else "byte"
+
+
+def make_tokenizer(kind: str, vocab_size: int, context_length: int):
+    if tokenizer_kind(kind, vocab_size) == "bpe":
+        from vitgraph.text.bpe import BPETokenizer
+        return BPETokenizer(context_length)
+    from vitgraph.text.tokenizer import ByteTokenizer
+    return ByteTokenizer(context_length)
