@@ -34,7 +34,8 @@ WORKDIR /workspace/vitgraph
 # is rebuilt only when pyproject.toml changes. The base image's torch must stay: its version is
 # written into a constraints file, so pip can neither upgrade nor replace it (the NGC image's own
 # /etc/pip/constraint.txt guards the rest of its stack). TE is not installed here (the `te` extra
-# is skipped): the base image's TE is the build that matches its torch.
+# is skipped): the base image's TE is the build that matches its torch. The `clip` extra is in
+# (CLIP's BPE vocabulary comes with open_clip).
 COPY pyproject.toml ./
 RUN set -eux; \
     python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' \
@@ -42,7 +43,7 @@ RUN set -eux; \
     if [ -n "${MEGATRON_CORE_VERSION}" ]; then \
         echo "megatron-core==${MEGATRON_CORE_VERSION}" >> /tmp/vitgraph-constraints.txt; \
     fi; \
-    python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["clip"]))' \
         > /tmp/vitgraph-requirements.txt; \
     python -m pip install --no-cache-dir -c /tmp/vitgraph-constraints.txt -r /tmp/vitgraph-requirements.txt
 
