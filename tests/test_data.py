@@ -46,6 +46,15 @@ def test_shapes_basic(small):
     assert train.images.float().std() > 30
 
 
+def test_short_captions_keep_size_colour_and_shape(small):
+    train, _ = small
+    short, _ = build_datasets(shapes_cfg(num_train=1200, num_val=300, captions="short"), seed=0)
+    assert torch.equal(short.images, train.images)
+    for full, cap, label in zip(train.captions, short.captions, train.labels.tolist()):
+        assert full.startswith(cap + " on a ") and cap.endswith(" " + train.classes[label])
+        assert len(cap.split()) >= 4  # a <size> <colour...> <shape>
+
+
 def test_shapes_deterministic_and_worker_independent():
     # CHUNK-sized pieces are seeded separately; 1200 images = 3 chunks across 2 workers
     a = shapes.generate(1200, split_seed=7, workers=1)

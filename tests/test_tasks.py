@@ -51,7 +51,7 @@ def test_contrastive_training_end_to_end(tmp_path, env, loss):
     (["data.augment.enabled=true"], "data.augment.mixup_alpha", "mixup / cutmix"),
     (["task.templates=[a photo]"], "task.templates", "{}"),
     (["task.tokenizer=bpe"], "task.tokenizer", "49408 ids"),
-    (["task.tokenizer=words"], "task.tokenizer", "auto, byte or bpe"),
+    (["task.tokenizer=words"], "task.tokenizer", "auto, byte, bpe"),
 ])
 def test_contrastive_config_errors_exit_2(monkeypatch, capsys, overrides, key, why):
     monkeypatch.setenv("WORLD_SIZE", "2")

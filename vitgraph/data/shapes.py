@@ -368,6 +368,13 @@ def prune_cache(cache_dir: str, max_bytes: int, keep: str | None = None) -> list
     return removed
 
 
+def short_caption(caption: str) -> str:
+    """A caption's first clause, size, colour and shape ("a large white star"): without the
+    background, place and rotation, the shape is a larger share of what tells captions apart
+    (data.captions=short)."""
+    return caption.split(" on a ", 1)[0]
+
+
 def build_shapes(data_cfg, seed: int):
     """(train, held-out) ImageDatasets of the shapes task: ``data_cfg.seed``'s data, or run
     seed ``seed``'s when that is None."""
@@ -388,6 +395,8 @@ def build_shapes(data_cfg, seed: int):
             split, num, seed, data_cfg.num_classes, data_cfg.render_size,
             data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir),
             getattr(data_cfg, "cache_max_mb", 1024))
+        if getattr(data_cfg, "captions", "full") == "short":
+            captions = [short_caption(c) for c in captions]
         out.append(ImageDataset(torch.from_numpy(np.ascontiguousarray(images)),
                                 torch.from_numpy(labels.astype(np.int64)),
                                 CLASSES[:data_cfg.num_classes], captions))
