@@ -397,8 +397,8 @@ def test_loader_resume():
 
 
 def test_prefetcher_hands_out_the_loaders_steps_and_checkpoints_what_it_handed_out():
-    """One step ahead in a thread: the same steps in the same order, and the saved position is
-    after the last step handed out (the thread is one further): a resume repeats and skips
+    """Made ahead (one step staged, the next in a thread): the same steps in the same order,
+    and the saved position is after the last step handed out: a resume repeats and skips
     nothing, across epochs too."""
     from vitgraph.data.prefetch import Prefetcher
     ds = toy(90)
@@ -410,7 +410,7 @@ def test_prefetcher_hands_out_the_loaders_steps_and_checkpoints_what_it_handed_o
             got = pre.next_step()
             assert ids(got) == ids(want)
             assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
-        assert pre.loader.state_dict()["step_in_epoch"] == 3  # made ahead
+        assert pre.loader.state_dict()["step_in_epoch"] == 4  # two steps made ahead
         sd = pre.state_dict()
         assert sd == plain.state_dict() == {"epoch": 1, "step_in_epoch": 2, "seed": 9}
         assert pre.epoch == 1 and pre.steps_per_epoch == 5
@@ -426,7 +426,7 @@ def test_prefetcher_hands_out_the_loaders_steps_and_checkpoints_what_it_handed_o
         pre.close()
 
 
-def test_prefetcher_raises_a_data_error_at_the_step_that_meets_it():
+def test_prefetcher_raises_a_data_error_before_the_step_that_meets_it():
     from vitgraph.data.prefetch import Prefetcher
 
     class Broken(MicrobatchLoader):
@@ -438,9 +438,9 @@ def test_prefetcher_raises_a_data_error_at_the_step_that_meets_it():
     pre = Prefetcher(Broken(toy(90), 4, 2, 0, 1, seed=0), "cpu")
     try:
         pre.next_step()
-        pre.next_step()  # the thread has already met the error making step 3
         with pytest.raises(DataError, match="truncated member"):
-            pre.next_step()
+            pre.next_step()  # staging step 3 (handed out next) meets it
+        assert pre.state_dict()["step_in_epoch"] == 1  # a resume would start at step 2
     finally:
         pre.close()
 

@@ -1,11 +1,14 @@
 """The next training step's microbatches, made while this step runs.
 
-``Prefetcher`` wraps a ``MicrobatchLoader``: a background thread takes the next step from it
-(reading shards and, with ``data.decode=cpu``, decoding JPEGs in the loader's threads) and, on
-a GPU, puts the microbatches on the device from a side CUDA stream: pinned host-to-device
-copies, and nvJPEG decode for ``data.decode=cuda`` shards. Without it that work sat between
-steps: ViT-B/16 from JPEG shards trained at 0.55x its in-memory step rate on an H200
-(benchmarks/BENCHMARKS.md, fourth session), and pageable copies block the host.
+``Prefetcher`` wraps a ``MicrobatchLoader``. A background thread takes the step after next
+from it: shard reads and, with ``data.decode=cpu``, JPEG decoding in the loader's threads,
+all CPU work. On a GPU, when step s is handed out, step s+1 is already put on the device from
+a side CUDA stream (pinned host-to-device copies; nvJPEG decode for ``data.decode=cuda``), so
+that work runs beside step s's kernels. The CUDA calls are made by the training thread
+itself, never by the background one: Transformer Engine captures its graphs in CUDA's global
+capture mode, where an allocation by any other thread would break the capture. Without
+prefetching all of this sat between steps: ViT-B/16 from JPEG shards trained at 0.55x its
+in-memory step rate on an H200 (benchmarks/BENCHMARKS.md, fourth session).
 
 Order and content are the loader's alone (it is deterministic), so prefetching changes no
 batch. The checkpointed position is the one after the last step handed out, not the one the
@@ -22,7 +25,7 @@ from vitgraph.data.loader import MicrobatchLoader
 
 class Prefetcher:
     """``MicrobatchLoader``'s interface (``next_step``, ``state_dict``, ``load_state_dict``,
-    ``epoch``, ``steps_per_epoch``), one step ahead. ``device``: where microbatch tensors are
+    ``epoch``, ``steps_per_epoch``), made ahead. ``device``: where microbatch tensors are
     put (a CUDA device: from a side stream; otherwise they stay as the loader made them)."""
 
     def __init__(self, loader: MicrobatchLoader, device):
@@ -32,6 +35,7 @@ class Prefetcher:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitgraph-prefetch")
         self._next: Future | None = None  # started by the first next_step (after any resume)
+        self._staged = None  # the step next_step hands out next, on the device
         self._state = loader.state_dict()
 
     @property
@@ -43,8 +47,13 @@ class Prefetcher:
         return self._state["epoch"]
 
     def _make(self):
-        batches = self.loader.next_step()
-        state = self.loader.state_dict()
+        """Background thread: the loader's next step, on the CPU, and its position after it."""
+        return self.loader.next_step(), self.loader.state_dict()
+
+    def _stage(self, made):
+        """Training thread: a made step onto the device from the side stream (an event marks
+        when it is there); on CPU as it is."""
+        batches, state = made
         if not self.cuda:
             return batches, state, None
         with torch.cuda.stream(self.stream):
@@ -62,9 +71,13 @@ class Prefetcher:
         return field
 
     def next_step(self) -> list[tuple]:
-        if self._next is None:
+        if self._next is None:  # the first step, or the first after a load
+            self._staged = self._stage(self._make())
             self._next = self._pool.submit(self._make)
-        batches, state, ready = self._next.result()  # re-raises a data error here
+        batches, state, ready = self._staged
+        # the next step goes onto the device now, beside this one's kernels; the thread
+        # starts on the one after (a data error from it is raised here, a step early)
+        self._staged = self._stage(self._next.result())
         self._next = self._pool.submit(self._make)
         self._state = state
         if ready is not None:
@@ -83,6 +96,7 @@ class Prefetcher:
             except Exception:  # a step that will not be used: its error does not matter
                 pass
             self._next = None
+        self._staged = None
 
     def state_dict(self) -> dict:
         return dict(self._state)
