@@ -46,3 +46,18 @@ def test_class_embeddings_average_templates_and_zero_shot():
     images = F.normalize(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.1, 0.0]]), dim=-1)
     assert zero_shot_top1(images, classes, torch.tensor([0, 1, 0])) == 1.0
     assert zero_shot_top1(images, classes, torch.tensor([1, 1, 1])) == pytest.approx(1 / 3)
+
+
+def test_retrieval_counts_an_identical_caption_as_the_own_one():
+    """Pairs 0 and 1 have the same caption and alike images: each finding the other's text
+    (or image) first is a hit when the ids say the captions are equal, a tie lost otherwise."""
+    img = torch.eye(3)[[0, 0, 2]]
+    txt = torch.eye(3)[[0, 0, 2]]
+    assert retrieval_recall(img, txt, ks=(1,)) == pytest.approx(
+        {"image_to_text_r@1": 1 / 3, "text_to_image_r@1": 1 / 3})
+    same = torch.tensor([[5, 6], [5, 6], [7, 8]])
+    assert retrieval_recall(img, txt, ks=(1,), tokens=same) == {
+        "image_to_text_r@1": 1.0, "text_to_image_r@1": 1.0}
+    other = torch.tensor([[5, 6], [5, 9], [7, 8]])  # different captions: back to ties lost
+    assert retrieval_recall(img, txt, ks=(1,), tokens=other) == pytest.approx(
+        {"image_to_text_r@1": 1 / 3, "text_to_image_r@1": 1 / 3})

@@ -137,21 +137,22 @@ class ContrastiveTask(Task):
 
     def eval_outputs(self, inputs, output):
         image, text, _, _ = self._features(output)
-        return {"image": image, "text": text, "labels": inputs[2]}
+        return {"image": image, "text": text, "labels": inputs[2], "tokens": inputs[1]}
 
     @torch.no_grad()
     def eval_metrics(self, outputs, chunks):
         image = torch.cat([o["image"] for o in outputs])
         text = torch.cat([o["text"] for o in outputs])
         labels = torch.cat([o["labels"] for o in outputs])
+        tokens = torch.cat([o["tokens"] for o in outputs])
         keep = labels != self.fill_label  # filler samples of a padded eval microbatch
-        image, text, labels = image[keep], text[keep], labels[keep]
+        image, text, labels, tokens = image[keep], text[keep], labels[keep], tokens[keep]
         if dist.is_initialized() and self.d.dp > 1:  # every rank's share of the split
             parts = [None] * self.d.dp
-            dist.all_gather_object(parts, (image.cpu(), text.cpu(), labels.cpu()),
+            dist.all_gather_object(parts, (image.cpu(), text.cpu(), labels.cpu(), tokens.cpu()),
                                    group=ps.get_data_parallel_group())
-            image, text, labels = (torch.cat([p[i] for p in parts]).to(self.d.device)
-                                   for i in range(3))
+            image, text, labels, tokens = (torch.cat([p[i] for p in parts]).to(self.d.device)
+                                           for i in range(4))
         model = unwrap(chunks[0])
 
         def encode(tokens):
@@ -163,6 +164,7 @@ class ContrastiveTask(Task):
             templates = self.cfg.task.templates or TEMPLATES
             classes = class_embeddings(encode, self.tokenizer, self.classes, templates)
             out["eval_top1"] = zero_shot_top1(image[labelled], classes, labels[labelled])
-        out.update({f"eval_{k}": v for k, v in retrieval_recall(image, text).items()})
+        recall = retrieval_recall(image, text, tokens=tokens)
+        out.update({f"eval_{k}": v for k, v in recall.items()})
         return out
 

@@ -42,15 +42,29 @@ def zero_shot_top1(image_features: torch.Tensor, classes: torch.Tensor,
 
 
 def retrieval_recall(image_features: torch.Tensor, text_features: torch.Tensor,
-                     ks: Sequence[int] = (1, 5)) -> dict[str, float]:
+                     ks: Sequence[int] = (1, 5), tokens: torch.Tensor | None = None
+                     ) -> dict[str, float]:
     """Row i of each is a pair. ``image_to_text_r@k``: the fraction of images whose own text is
     among the k nearest texts; ``text_to_image_r@k`` the other way round. Ties count against
-    (the true item must beat every other strictly to rank above it)."""
+    (the true item must beat every other strictly to rank above it).
+
+    ``tokens`` (the texts' ids, [n, L]): a text identical to an item's own counts as its own
+    too (short captions repeat: "a large white star" is the caption of many images, and no
+    model can tell which of them a given one was written for)."""
     sim = image_features @ text_features.T
-    true = sim.diagonal()
-    # rank of the true item: how many others score at least as high
-    rank_i2t = (sim >= true[:, None]).sum(dim=1) - 1
-    rank_t2i = (sim >= true[None, :]).sum(dim=0) - 1
+    n = sim.shape[0]
+    if tokens is None:
+        same = torch.eye(n, dtype=torch.bool, device=sim.device)
+    else:
+        _, text_id = torch.unique(tokens, dim=0, return_inverse=True)
+        text_id = text_id.to(sim.device)
+        same = text_id[:, None] == text_id[None, :]
+    low = torch.finfo(sim.dtype).min
+    # the best-scoring correct item, then how many wrong ones score at least as high
+    best_i2t = sim.masked_fill(~same, low).amax(dim=1)
+    best_t2i = sim.masked_fill(~same, low).amax(dim=0)
+    rank_i2t = ((sim >= best_i2t[:, None]) & ~same).sum(dim=1)
+    rank_t2i = ((sim >= best_t2i[None, :]) & ~same).sum(dim=0)
     out = {}
     for k in ks:
         out[f"image_to_text_r@{k}"] = (rank_i2t < k).float().mean().item()
