@@ -365,6 +365,7 @@ def _validate_contrastive(cfg: Config, err) -> None:
     if p.sequence_parallel:
         err("parallel.sequence_parallel", True, "the text tower has no sequence parallelism yet")
     from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
+    from vitgraph.text.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
     if tokenizer_kind(cfg.task.tokenizer, arch.text.vocab_size) == "bpe":
         from vitgraph.text.bpe import available
         if arch.text.vocab_size != BPE_VOCAB_SIZE:
@@ -374,9 +375,9 @@ def _validate_contrastive(cfg: Config, err) -> None:
         if missing:
             err("task.tokenizer", cfg.task.tokenizer, f"{cfg.model.name}'s text tower takes CLIP's "
                 f"BPE ids, which need {missing}; or set task.tokenizer=byte to train it on bytes")
-    elif arch.text.vocab_size < 259:
-        err("task.tokenizer", cfg.task.tokenizer, f"byte ids need a text tower of >= 259 ids; "
-                                                  f"{cfg.model.name} has {arch.text.vocab_size}")
+    elif arch.text.vocab_size < BYTE_VOCAB_SIZE:
+        err("task.tokenizer", cfg.task.tokenizer, f"byte ids need a text tower of >= "
+            f"{BYTE_VOCAB_SIZE} ids; {cfg.model.name} has {arch.text.vocab_size}")
     n = cfg.task.context_length
     if n is not None and not 3 <= n <= arch.text.context_length:
         err("task.context_length", n, f"must be between 3 and the text tower's "

@@ -21,8 +21,10 @@ from typing import Sequence
 
 import torch
 
-VOCAB_SIZE = 49408
-SOT, EOT, PAD = 49406, 49407, 0
+from vitgraph.text import BPE_VOCAB_SIZE as VOCAB_SIZE
+from vitgraph.text.tokenizer import Tokenizer
+
+SOT, EOT, PAD = VOCAB_SIZE - 2, VOCAB_SIZE - 1, 0
 _NUM_MERGES = VOCAB_SIZE - 2 * 256 - 2  # the file holds more; CLIP used the first 48,894
 _PATTERN = (r"""<start_of_text>|<end_of_text>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|"""
             r"""[^\s\p{L}\p{N}]+""")
@@ -58,18 +60,15 @@ def _byte_symbols() -> dict[int, str]:
     return out
 
 
-class BPETokenizer:
+class BPETokenizer(Tokenizer):
     pad_id, sot_id, eot_id, vocab_size = PAD, SOT, EOT, VOCAB_SIZE
 
     def __init__(self, context_length: int = 77, path: str | None = None):
-        if context_length < 3:
-            raise ValueError(f"context_length={context_length}: needs room for start, one token "
-                             "and end of text (>= 3)")
+        super().__init__(context_length)
         missing = None if path else available()
         if missing:
             raise RuntimeError(f"the BPE tokenizer needs {missing}")
         import regex
-        self.context_length = context_length
         self._split = regex.compile(_PATTERN, regex.IGNORECASE)
         self._bytes = _byte_symbols()
         self._unbytes = {c: b for b, c in self._bytes.items()}
@@ -128,16 +127,6 @@ class BPETokenizer:
             ids = ids[:self.context_length]
             ids[-1] = EOT
         return ids
-
-    def __call__(self, texts: str | Sequence[str]) -> torch.Tensor:
-        """int64 [n, context_length] (a single string gives n = 1)."""
-        if isinstance(texts, str):
-            texts = [texts]
-        out = torch.full((len(texts), self.context_length), PAD, dtype=torch.long)
-        for i, t in enumerate(texts):
-            ids = self.encode(t)
-            out[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return out
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """The text of one id sequence, up to its end of text (padding is id 0, which is also

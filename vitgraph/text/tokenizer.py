@@ -25,14 +25,36 @@ PAD, BYTE_OFFSET, SOT, EOT = 0, 1, 257, 258
 VOCAB_SIZE = 259
 
 
-class ByteTokenizer:
+class Tokenizer:
+    """What every vitgraph tokenizer shares: a fixed context length (>= 3: start, one token,
+    end of text) and padding a batch of ``encode``d texts to it with ``pad_id``."""
+    pad_id: int
+
+    def __init__(self, context_length: int):
+        if context_length < 3:
+            raise ValueError(f"context_length={context_length}: needs room for start, one token "
+                             "and end of text (>= 3)")
+        self.context_length = context_length
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def __call__(self, texts: str | Sequence[str]) -> torch.Tensor:
+        """int64 [n, context_length] (a single string gives n = 1)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        out = torch.full((len(texts), self.context_length), self.pad_id, dtype=torch.long)
+        for i, t in enumerate(texts):
+            ids = self.encode(t)
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
+
+
+class ByteTokenizer(Tokenizer):
     pad_id, sot_id, eot_id, vocab_size = PAD, SOT, EOT, VOCAB_SIZE
 
     def __init__(self, context_length: int = 77, lower: bool = True):
-        if context_length < 3:
-            raise ValueError(f"context_length={context_length}: needs room for start, one byte "
-                             "and end of text (>= 3)")
-        self.context_length = context_length
+        super().__init__(context_length)
         self.lower = lower
 
     def _clean(self, text: str) -> str:
@@ -43,16 +65,6 @@ class ByteTokenizer:
         """The ids of one text, unpadded: [sot, bytes..., eot], cut to the context length."""
         body = [b + BYTE_OFFSET for b in self._clean(text).encode("utf-8")]
         return [SOT, *body[: self.context_length - 2], EOT]
-
-    def __call__(self, texts: str | Sequence[str]) -> torch.Tensor:
-        """int64 [n, context_length] (a single string gives n = 1)."""
-        if isinstance(texts, str):
-            texts = [texts]
-        out = torch.full((len(texts), self.context_length), PAD, dtype=torch.long)
-        for i, t in enumerate(texts):
-            ids = self.encode(t)
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return out
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """The text of one id sequence: special tokens and padding dropped."""
