@@ -141,18 +141,17 @@ class ContrastiveTask(Task):
 
     @torch.no_grad()
     def eval_metrics(self, outputs, chunks):
-        image = torch.cat([o["image"] for o in outputs])
-        text = torch.cat([o["text"] for o in outputs])
-        labels = torch.cat([o["labels"] for o in outputs])
-        tokens = torch.cat([o["tokens"] for o in outputs])
-        keep = labels != self.fill_label  # filler samples of a padded eval microbatch
-        image, text, labels, tokens = image[keep], text[keep], labels[keep], tokens[keep]
+        names = ("image", "text", "labels", "tokens")
+        fields = [torch.cat([o[k] for o in outputs]) for k in names]
+        keep = fields[2] != self.fill_label  # filler samples of a padded eval microbatch
+        fields = [f[keep] for f in fields]
         if dist.is_initialized() and self.d.dp > 1:  # every rank's share of the split
             parts = [None] * self.d.dp
-            dist.all_gather_object(parts, (image.cpu(), text.cpu(), labels.cpu(), tokens.cpu()),
+            dist.all_gather_object(parts, [f.cpu() for f in fields],
                                    group=ps.get_data_parallel_group())
-            image, text, labels, tokens = (torch.cat([p[i] for p in parts]).to(self.d.device)
-                                           for i in range(4))
+            fields = [torch.cat([p[i] for p in parts]).to(self.d.device)
+                      for i in range(len(names))]
+        image, text, labels, tokens = fields
         model = unwrap(chunks[0])
 
         def encode(tokens):
