@@ -70,6 +70,36 @@ PROFILE = None  # --profile N: cProfile N steps after warm-up, print the top fun
 KERNELS = None  # --kernels N: torch.profiler over N steps after warm-up, print the top kernels
 
 
+# kernel name -> kind, first match wins (attention before gemm: cuDNN's names hold "gemm" too)
+KERNEL_KINDS = [("attention", r"fmha|flash|sdpa|attn|softmax"), ("gemm", r"gemm|cutlass|nvjet|xmma|cublas|sm90_"),
+                ("norm", r"layer_?norm|ln_fwd|ln_bwd|rmsnorm"), ("optimizer", r"adam|multi_tensor|foreach"),
+                ("triton (inductor)", r"triton"), ("copy/cast", r"memcpy|memset|copy|cast|cat|transpose"),
+                ("reduce", r"reduce"), ("elementwise", r".")]
+
+
+def _kernel_report(prof, steps: int, wall: float) -> None:
+    """GPU time per step by kind of kernel and by kernel (graph replays included): what stands
+    between the step and the matmul ceiling. Idle is wall time the GPU had nothing to run."""
+    import re
+    from torch.autograd import DeviceType
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    print(f"profile: {steps} steps, {wall / steps * 1e3:.2f} ms/step wall, GPU busy "
+          f"{busy / steps * 1e3:.2f} ms/step ({100 * busy / wall:.0f}%)", flush=True)
+    kinds: dict[str, list] = {k: [0.0, 0] for k, _ in KERNEL_KINDS}
+    for e in kernels:
+        kind = next(k for k, rx in KERNEL_KINDS if re.search(rx, e.key.lower()))
+        kinds[kind][0] += e.self_device_time_total / 1e3 / steps
+        kinds[kind][1] += e.count / steps
+    for k, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        if n:
+            print(f"  {k:18s} {ms:8.2f} ms/step {n:7.0f} kernels/step", flush=True)
+    print(f"  {'ms/step':>8s} {'n/step':>7s} {'us/call':>8s}  kernel")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
+        print(f"  {e.self_device_time_total / 1e3 / steps:8.2f} {e.count / steps:7.0f} "
+              f"{e.self_device_time_total / max(e.count, 1):8.1f}  {e.key[:150]}", flush=True)
+
+
 def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
     """Seconds per step (median of 3 timed blocks), peak allocated and peak reserved GiB.
 
@@ -99,12 +129,7 @@ def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
                 step()
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        busy = sum(e.self_device_time_total for e in events) / 1e6
-        print(f"profile: {KERNELS} steps, {wall / KERNELS * 1e3:.2f} ms/step wall, GPU busy "
-              f"{busy / KERNELS * 1e3:.2f} ms/step ({100 * busy / wall:.0f}%)", flush=True)
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30),
-              flush=True)
+        _kernel_report(prof, KERNELS, time.perf_counter() - t0)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # graphs were captured in the warm-up: their pools count
     blocks = []
