@@ -110,6 +110,14 @@ class EncodedImages:
     def __len__(self) -> int:
         return len(self.data)
 
+    # the two tensor methods an eval batch is cut into microbatches with
+    def split(self, m: int) -> list["EncodedImages"]:
+        return [EncodedImages(self.data[i:i + m], self.size) for i in range(0, len(self.data), m)]
+
+    def padded(self, n: int) -> "EncodedImages":
+        """``n`` copies of the first image appended (the fill of a last, short batch)."""
+        return EncodedImages(self.data + self.data[:1] * n, self.size)
+
 
 class ShardImages:
     """Stands in for the uint8 [N, H, W, 3] images of a split stored in shards: indexing reads
