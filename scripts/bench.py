@@ -183,6 +183,9 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     if trainer.task.name == "contrastive":  # + caption token ids, end of text last
         n = trainer.task.context_length
         batches = [(*b, _tokens(mb, n, gen)) for b in batches]
+    # the loop's prefetcher hands a step its microbatches on the device (copied on a side
+    # stream during the step before), as the peers' inputs are: so does the bench
+    batches = [tuple(t.to(trainer.d.device) for t in b) for b in batches]
     state = {"step": 0}
 
     def step():

@@ -44,3 +44,25 @@ def test_te_and_torch_specs_agree(dist1):
     grads_te = dict(te_model.named_parameters())
     for name, p in torch_model.named_parameters():
         assert _rel(grads_te[name].grad, p.grad) < 5e-2, name
+
+
+def test_te_layers_copy_no_qkv_gradient_and_add_no_bias_outside_a_gemm(dist1):
+    """The TE spec's kernels (issue 6's profile): attention's backward hands dq, dk, dv to the
+    fused QKV GEMM as one packed gradient (no concatenation), and the projection and MLP
+    biases are added by their GEMMs (no broadcast add over the activations per layer)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.autograd import DeviceType
+    layers = 4
+    model = _build(dist1, "te", f"model.num_layers={layers}")
+    x = torch.randn(8, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+    model(x).float().square().sum().backward()  # warm-up: autotuning, workspaces
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(x).float().square().sum().backward()
+        torch.cuda.synchronize()
+    kernels = [e.key for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    assert kernels, "the profiler saw no kernels"
+    assert not [k for k in kernels if "CatArrayBatchedCopy" in k], kernels
+    broadcast_adds = sum(e.count for e in prof.key_averages()
+                         if e.device_type == DeviceType.CUDA and "CUDAFunctor_add" in e.key
+                         and "vectorized" not in e.key)
+    assert broadcast_adds < layers, kernels  # the position embedding's add is one

@@ -8,6 +8,7 @@ state dict moves between the two unchanged (TE adds only ``_extra_state`` entrie
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,47 @@ def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType) -> Modu
     )
 
 
+def _split_qkv_without_copy() -> None:
+    """megatron-core 0.16.1 imports TE's split-without-copy of the fused QKV output under a
+    name TE 2.20 no longer has and falls back to ``torch.split``, whose backward concatenates
+    dq, dk and dv: a copy of three activations per layer, 16 ms of a ViT-L step at mb 256 on an
+    H200. TE keeps the function in ``transformer_engine.pytorch.utils``: give it to megatron.
+    Its backward returns TE attention's packed gradient as it is."""
+    import megatron.core.transformer.attention as attention
+    if getattr(attention, "SplitAlongDim", None) is not None:
+        return
+    try:
+        from transformer_engine.pytorch.utils import SplitAlongDim
+    except ImportError:
+        return
+    attention.SplitAlongDim = SplitAlongDim.apply
+
+
+@functools.cache
+def _te_linears_with_bias_in_gemm():
+    """megatron's TE linears that add their bias inside the GEMM (its gradient comes from the
+    backward GEMMs) instead of returning it. megatron has linear_proj, linear_fc1 and
+    linear_fc2 return their bias for a fused bias-GELU or bias-dropout-add; with those
+    fusions off (exact GELU; see vitgraph.parallel.setup) the bias became a separate broadcast
+    add over the activations: 72 kernels, 19 ms of a ViT-L step at mb 256 on an H200."""
+    from megatron.core.extensions.transformer_engine import (
+        TELayerNormColumnParallelLinear, TERowParallelLinear)
+
+    class TELayerNormColumnParallelLinearBias(TELayerNormColumnParallelLinear):
+        def __init__(self, *args, skip_bias_add: bool = False, **kwargs):
+            super().__init__(*args, skip_bias_add=False, **kwargs)
+
+    class TERowParallelLinearBias(TERowParallelLinear):
+        def __init__(self, *args, skip_bias_add: bool = False, **kwargs):
+            super().__init__(*args, skip_bias_add=False, **kwargs)
+            if self.tp_size == 1:
+                # TE adds a row-parallel bias after the tensor-parallel reduction, outside
+                # the GEMM; with no reduction the GEMM can add it
+                self.gemm_bias_unfused_add = False
+
+    return TELayerNormColumnParallelLinearBias, TERowParallelLinearBias
+
+
 # (padding_mask, causal) -> megatron's mask type
 MASKS = {(False, False): AttnMaskType.no_mask, (True, False): AttnMaskType.padding,
          (False, True): AttnMaskType.causal, (True, True): AttnMaskType.padding_causal}
@@ -124,13 +166,17 @@ def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False) 
     (a CLIP text tower); neither: no mask at all (a ViT)."""
     mask = MASKS[(bool(padding_mask), bool(causal))]
     if name == "te":
-        # megatron-core's TE ViT spec: no mask, layer norms fused into the linears
+        # megatron-core's TE ViT spec: no mask, layer norms fused into the linears; the
+        # biases of the projection and the MLP added inside their GEMMs
         from megatron.core.models.vision.vit_layer_specs import (
             get_vit_layer_with_transformer_engine_spec)
-        spec = get_vit_layer_with_transformer_engine_spec()
-        if mask != AttnMaskType.no_mask:
-            spec = copy.deepcopy(spec)
-            spec.submodules.self_attention.params["attn_mask_type"] = mask
+        _split_qkv_without_copy()
+        spec = copy.deepcopy(get_vit_layer_with_transformer_engine_spec())
+        spec.submodules.self_attention.params["attn_mask_type"] = mask
+        column, row = _te_linears_with_bias_in_gemm()
+        spec.submodules.self_attention.submodules.linear_proj = row
+        spec.submodules.mlp.submodules.linear_fc1 = column
+        spec.submodules.mlp.submodules.linear_fc2 = row
         return spec
     if name == "torch":
         return _layer_spec(LayerNormColumnParallelLinear, SDPAttention, RowParallelLinear,

