@@ -408,8 +408,10 @@ def test_prefetcher_hands_out_the_loaders_steps_and_checkpoints_what_it_handed_o
         for _ in range(7):
             want = plain.next_step()
             got = pre.next_step()
+            pre.stage_next()  # as the trainer does while the step runs
             assert ids(got) == ids(want)
             assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
+        pre._next.result()
         assert pre.loader.state_dict()["step_in_epoch"] == 4  # two steps made ahead
         sd = pre.state_dict()
         assert sd == plain.state_dict() == {"epoch": 1, "step_in_epoch": 2, "seed": 9}
@@ -426,7 +428,7 @@ def test_prefetcher_hands_out_the_loaders_steps_and_checkpoints_what_it_handed_o
         pre.close()
 
 
-def test_prefetcher_raises_a_data_error_before_the_step_that_meets_it():
+def test_prefetcher_raises_a_data_error_at_the_step_that_meets_it_before_training_it():
     from vitgraph.data.prefetch import Prefetcher
 
     class Broken(MicrobatchLoader):
@@ -438,9 +440,11 @@ def test_prefetcher_raises_a_data_error_before_the_step_that_meets_it():
     pre = Prefetcher(Broken(toy(90), 4, 2, 0, 1, seed=0), "cpu")
     try:
         pre.next_step()
+        pre.next_step()
+        pre.stage_next()  # as the trainer does during a step: the error waits
         with pytest.raises(DataError, match="truncated member"):
-            pre.next_step()  # staging step 3 (handed out next) meets it
-        assert pre.state_dict()["step_in_epoch"] == 1  # a resume would start at step 2
+            pre.next_step()  # the step that met it is not handed out
+        assert pre.state_dict()["step_in_epoch"] == 2  # a resume starts at the broken step
     finally:
         pre.close()
 

@@ -19,6 +19,7 @@ def test_prefetcher_puts_the_loaders_microbatches_on_the_device():
     try:
         for _ in range(8):  # across an epoch (6 steps)
             got, want = pre.next_step(), plain.next_step()
+            pre.stage_next()  # as the trainer does once a step's kernels are queued
             for (gi, gl), (wi, wl) in zip(got, want):
                 assert gi.is_cuda and gl.is_cuda
                 # consumed on the main stream while the side stream fills the next step

@@ -2,17 +2,21 @@
 
 ``Prefetcher`` wraps a ``MicrobatchLoader``. A background thread takes the step after next
 from it: shard reads and, with ``data.decode=cpu``, JPEG decoding in the loader's threads,
-all CPU work. On a GPU, when step s is handed out, step s+1 is already put on the device from
-a side CUDA stream (pinned host-to-device copies; nvJPEG decode for ``data.decode=cuda``), so
-that work runs beside step s's kernels. The CUDA calls are made by the training thread
-itself, never by the background one: Transformer Engine captures its graphs in CUDA's global
-capture mode, where an allocation by any other thread would break the capture. Without
-prefetching all of this sat between steps: ViT-B/16 from JPEG shards trained at 0.55x its
-in-memory step rate on an H200 (benchmarks/BENCHMARKS.md, fourth session).
+all CPU work. On a GPU the next step is put on the device from a side CUDA stream (pinned
+host-to-device copies; nvJPEG decode for ``data.decode=cuda``) when the trainer calls
+``stage_next``: once a step's forward and backward are queued and before the host waits for
+them, so that this work runs beside the step's kernels rather than between steps. The CUDA
+calls are made by the training thread itself, never by the background one: Transformer
+Engine captures its graphs in CUDA's global capture mode, where an allocation by any other
+thread would break the capture. Without prefetching all of this sat between steps: ViT-B/16
+from JPEG shards trained at 0.55x its in-memory step rate on an H200
+(benchmarks/BENCHMARKS.md, fourth session); staged when a step was handed out, before its
+kernels were queued, still 0.66x (fifth session).
 
 Order and content are the loader's alone (it is deterministic), so prefetching changes no
 batch. The checkpointed position is the one after the last step handed out, not the one the
-thread has reached: a resumed run repeats and skips nothing.
+thread has reached: a resumed run repeats and skips nothing. A data error met while staging
+is raised by the ``next_step`` that would have handed that step out.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitgraph-prefetch")
         self._next: Future | None = None  # started by the first next_step (after any resume)
         self._staged = None  # the step next_step hands out next, on the device
+        self._error: Exception | None = None  # met while staging; raised by next_step
         self._state = loader.state_dict()
 
     @property
@@ -70,15 +75,27 @@ class Prefetcher:
             return field.pin_memory().to(self.device, non_blocking=True)
         return field
 
-    def next_step(self) -> list[tuple]:
-        if self._next is None:  # the first step, or the first after a load
-            self._staged = self._stage(self._make())
+    def stage_next(self) -> None:
+        """Put the next step on the device now (the background thread starts on the one
+        after). Called by the trainer while a step's kernels run; a data error is kept for
+        ``next_step``."""
+        if self._staged is not None or self._error is not None:
+            return
+        try:
+            if self._next is None:  # the first step, or the first after a load
+                self._next = self._pool.submit(self._make)
+            made = self._next.result()
             self._next = self._pool.submit(self._make)
-        batches, state, ready = self._staged
-        # the next step goes onto the device now, beside this one's kernels; the thread
-        # starts on the one after (a data error from it is raised here, a step early)
-        self._staged = self._stage(self._next.result())
-        self._next = self._pool.submit(self._make)
+            self._staged = self._stage(made)
+        except Exception as e:
+            self._error = e
+
+    def next_step(self) -> list[tuple]:
+        self.stage_next()  # nothing staged yet: the first step, or no trainer called it
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        (batches, state, ready), self._staged = self._staged, None
         self._state = state
         if ready is not None:
             main = torch.cuda.current_stream(self.device)
@@ -96,7 +113,7 @@ class Prefetcher:
             except Exception:  # a step that will not be used: its error does not matter
                 pass
             self._next = None
-        self._staged = None
+        self._staged = self._error = None
 
     def state_dict(self) -> dict:
         return dict(self._state)

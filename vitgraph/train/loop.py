@@ -223,26 +223,30 @@ class Trainer:
         return output, lambda out: (torch.zeros((), device=self.d.device),
                                     self.task.eval_outputs(inputs, out))
 
-    def train_step(self, batches) -> tuple[torch.Tensor, object, object]:
+    def train_step(self, batches, between=None) -> tuple[torch.Tensor, object, object]:
         """One optimizer step over ``batches`` (this rank's microbatches): zero grads, the
         schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
         summed over microbatches, grad norm, whether the step was applied); the last two are
-        device tensors with graphs.scope=step (nothing is read on the host then)."""
+        device tensors with graphs.scope=step (nothing is read on the host then).
+        ``between``: called once the step's kernels are queued, before the host waits for
+        them (the loop puts the next step's data on the device there)."""
         keys = [(self.step, i) for i in range(len(batches))]
         if isinstance(self.graphs, StepGraphs):
             self.optimizer.load_lr()
             inputs = [self._prepare(fields, k) for fields, k in zip(batches, keys)]
             stats, grad_norm, ok = self.graphs.run(inputs, self._step_body)
+            if between is not None:
+                between()
             self.scheduler.step(increment=1)  # a skipped step is only known on the device
             return stats, grad_norm, ok
         # eager: each microbatch is prepared when the schedule asks for it
         data = list(zip(batches, keys))
-        stats, grad_norm, ok = self._step_body(data, lazy=True)
+        stats, grad_norm, ok = self._step_body(data, lazy=True, between=between)
         if ok:
             self.scheduler.step(increment=1)
         return stats, float(grad_norm or 0.0), ok
 
-    def _step_body(self, data: list, lazy: bool = False) -> list:
+    def _step_body(self, data: list, lazy: bool = False, between=None) -> list:
         """What graphs.scope=step captures: [stats, grad norm, ok] from prepared microbatches
         (``lazy``: raw ones, prepared as the schedule reaches them)."""
         if self.d.cuda:
@@ -256,6 +260,8 @@ class Trainer:
             model=self.wrapped, num_microbatches=len(data),
             seq_length=self.task.seq_length(self.chunks, mb), micro_batch_size=mb,
             forward_only=False)
+        if between is not None:  # megatron's optimizer step waits for the device
+            between()
         ok, grad_norm, _ = self.optimizer.step()
         self.task.after_update(self.chunks)
         stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
@@ -365,7 +371,8 @@ class Trainer:
                 self.graphs.step_begin(self.step)
             if self._fault is not None:
                 self._fault.fill_(nan if self.step + 1 in nan_steps else 1.0)
-            stats, grad_norm, ok = self.train_step(self.loader.next_step())
+            stats, grad_norm, ok = self.train_step(self.loader.next_step(),
+                                                   getattr(self.loader, "stage_next", None))
             self.step += 1
             window_steps += 1
             health.update(ok)
