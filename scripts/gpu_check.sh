@@ -116,7 +116,7 @@ for s in "${steps[@]}"; do
       grep "img/s" "$out/loop_rate.log" | tail -4 ;;
     data) timeout 120 python3 scripts/bench_data.py --out "$out/bench_data.json" 2>&1 | tee "$out/bench_data.log" | tail -8 ;;
     shards-train)
-      # ViT-B/16 (mb 256, 60 steps) from photo-like JPEG shards decoded by nvJPEG, against the
+      # ViT-B/16 (mb 256, 160 steps) from photo-like JPEG shards decoded by nvJPEG, against the
       # same run on in-memory data (the shapes, resized on the device): the step rates must be
       # within 5%. bench_data.py reads the same shards first.
       sh=/tmp/shards_b16
@@ -126,8 +126,8 @@ for s in "${steps[@]}"; do
         python scripts/make_shards.py /tmp/sf_b16 $sh --shard-size 512 >> "$out/shards_make.log" 2>&1
       fi
       timeout 120 python3 scripts/bench_data.py --shards $sh --out "$out/bench_data.json" 2>&1 | tee "$out/bench_data.log" | tail -4
-      w=(configs/vit-b16-imagefolder.yaml train.steps=60 train.global_batch_size=256 train.micro_batch_size=256
-         train.log_every=20 train.eval_every=0 checkpoint.every=0 train.progress=false
+      w=(configs/vit-b16-imagefolder.yaml train.steps=160 train.global_batch_size=256 train.micro_batch_size=256
+         train.log_every=40 train.eval_every=0 checkpoint.every=0 train.progress=false
          data.augment.enabled=false data.workers=16 model.num_classes=10)
       timeout 120 python -m vitgraph train "${w[@]}" data.kind=webdataset data.path=$sh data.decode=cuda \
         run.dir=/tmp/b16_shards > "$out/train_b16_shards.log" 2>&1
