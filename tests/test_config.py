@@ -60,6 +60,8 @@ def test_config_errors_exit_2_and_name_the_key(overrides, key, capsys):
     (["train.precision=fp8", "model.spec=torch"], "train.precision", "Transformer Engine"),
     (["train.precision=fp8", "graphs.enabled=true"], "graphs.impl", "graphs.impl=te"),
     (["train.fp8_recipe=hybrid"], "train.fp8_recipe", "current, delayed, mxfp8"),
+    (["train.precision=fp8", "train.fp8_recipe=delayed", "graphs.enabled=true", "graphs.scope=step"],
+     "graphs.scope", "only with train.fp8_recipe=current"),
     (["parallel.timeout_minutes=0"], "parallel.timeout_minutes", "positive"),
 ])
 def test_impossible_layouts_and_precisions_exit_2(monkeypatch, capsys, overrides, key, why):

@@ -482,10 +482,13 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     if p.overlap_p2p_comm and p.vpp == 1:
         err("parallel.overlap_p2p_comm", True, "megatron overlaps p2p only in the interleaved "
                                               "schedule: needs parallel.vpp > 1")
-    if cfg.graphs.enabled and cfg.graphs.scope == "step" and t.precision == "fp8":
-        err("graphs.scope", "step", "not with train.precision=fp8 yet (TE updates its FP8 "
-                                    "scaling state outside a captured step); use graphs.scope=layer "
-                                    "with graphs.impl=te")
+    if cfg.graphs.enabled and cfg.graphs.scope == "step" and t.precision == "fp8" \
+            and t.fp8_recipe != "current":
+        # current scaling computes each scale from its tensor, on the device, inside the step;
+        # delayed scaling keeps an amax history that TE updates from the host between steps
+        err("graphs.scope", "step", f"with train.precision=fp8 only with train.fp8_recipe=current "
+                                    f"(got {t.fp8_recipe!r}); or use graphs.scope=layer with "
+                                    "graphs.impl=te")
     if p.sequence_parallel and p.tp == 1:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":

@@ -66,6 +66,23 @@ def test_step_graphs_equal_eager_on_one_gpu(tmp_path):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
+def test_fp8_step_graphs_equal_fp8_eager(tmp_path):
+    """FP8 with current scaling: every scale is computed on the device from its tensor, so
+    the whole step (quantization included) is one graph and replays what eager FP8 does."""
+    fp8 = ["train.precision=fp8", "train.fp8_recipe=current"]
+    runs = {}
+    for name, over in {"eager": [*STEP, "graphs.warmup_steps=1000"],
+                       "graphs": [*STEP, "graphs.warmup_steps=3"]}.items():
+        t = make_trainer(tmp_path / name, *TWO_MICROBATCHES, *fp8, *over)
+        try:
+            runs[name] = run_steps(t, 0, 12), t.graphs.stats()
+        finally:
+            t.close(shutdown_dist=False)
+    (curve, stats), (ref, _) = runs["graphs"], runs["eager"]
+    assert stats["captures"] == 1 and stats["replays"] == 9, stats
+    assert curve == pytest.approx(ref, rel=1e-5), (curve, ref)
+
+
 def test_step_graphs_capture_again_after_a_checkpoint_load(tmp_path):
     over = [*TWO_MICROBATCHES, *STEP, "graphs.warmup_steps=2"]
     t = make_trainer(tmp_path, *over)
