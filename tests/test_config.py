@@ -63,6 +63,7 @@ def test_config_errors_exit_2_and_name_the_key(overrides, key, capsys):
     (["train.precision=fp8", "train.fp8_recipe=delayed", "graphs.enabled=true", "graphs.scope=step"],
      "graphs.scope", "only with train.fp8_recipe=current"),
     (["parallel.timeout_minutes=0"], "parallel.timeout_minutes", "positive"),
+    (["parallel.pp=2", "graphs.enabled=true", "graphs.pool=shared"], "graphs.pool", "needs parallel.pp=1"),
 ])
 def test_impossible_layouts_and_precisions_exit_2(monkeypatch, capsys, overrides, key, why):
     monkeypatch.setenv("WORLD_SIZE", "8")

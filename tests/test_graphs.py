@@ -336,6 +336,93 @@ def test_two_layers_share_a_pool_and_chain():
     assert mgr.stats()["slots"] == 4
 
 
+class PoolLog(RerunBackend):
+    """The rerun backend, recording which pool each capture went into."""
+
+    def __init__(self):
+        super().__init__()
+        self.pools = []
+
+    def make_pool(self):
+        return object()
+
+    def capture(self, fn, pool):
+        self.pools.append(pool)
+        return super().capture(fn, pool)
+
+
+def test_shared_pool_captures_in_run_order_without_copies_and_equals_eager():
+    """pool=shared (no pipeline): each layer's forward is captured at its first call and its
+    backward at its first backward, so the captures follow the step's own order, all into
+    one pool per capture step; a layer's static input is the previous layer's output and its
+    incoming-gradient buffer the next layer's input gradient (nothing is copied between
+    layers). Gradients over sequential microbatches equal eager."""
+    torch.manual_seed(17)
+    eager = nn.ModuleList([Toy(), Toy(), Toy()])
+    graphed = copy.deepcopy(eager)
+    backend = PoolLog()
+    mgr = manager_for(list(graphed), backend=backend, pool="shared")
+    assert mgr.stats()["pool"] == "shared"
+
+    def forward(layers, x):
+        h = x
+        for layer in layers:
+            h, _ = layer(hidden_states=h)
+        return h
+
+    for step in range(3):
+        mgr.step_begin(step)
+        for _ in range(2):  # microbatches one after the other, as megatron without a pipeline
+            x = torch.randn(4, 8)
+            h = forward(graphed, x)
+            if step == 0 and backend.captures == 3:
+                assert len(set(map(id, backend.pools))) == 1  # three forwards, one pool
+            leaf_loss(h).backward()
+            leaf_loss(forward(eager, x)).backward()
+            if step == 0:
+                assert backend.captures == 6  # then the three backwards, in the same pool
+        assert_grads_equal(graphed, eager)
+    assert len(set(map(id, backend.pools))) == 1
+    s = mgr.stats()
+    assert s["slots"] == 3 and s["captures"] == 3 and s["replays"] == 18, s
+    slots = [next(iter(layer.callable.sets.values()))[0]
+             for layer in mgr.layers]
+    for a, b in zip(slots, slots[1:]):
+        assert b.static_in[0].data_ptr() == a.fwd.outputs[0].data_ptr()  # no input copy
+        assert a.grad_bufs[0].data_ptr() == b.bwd.outputs[0].data_ptr()  # no gradient copy
+    # a reset captures again, into a new pool
+    mgr.reset()
+    mgr.step_begin(3)
+    leaf_loss(forward(graphed, torch.randn(4, 8))).backward()
+    assert len(set(map(id, backend.pools))) == 2 and backend.captures == 12
+
+
+def test_shared_pool_first_backward_with_an_unused_output_and_a_leaf_input():
+    """The first backward of an ordered slot captures it: an output that got no gradient has
+    a zero buffer, and a leaf input (a pipeline stage's received activation) gets its own
+    gradient copy, as with per-slot pools."""
+    torch.manual_seed(18)
+    eager = Toy(kind="list")  # [None, y, 3, "tag", h]
+    graphed = copy.deepcopy(eager)
+    mgr = manager_for([graphed], pool="shared")
+    for step in range(2):
+        mgr.step_begin(step)
+        x = torch.randn(4, 8, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        (graphed(x)[1] ** 2).sum().backward()  # h (index 4) gets no gradient
+        (eager(xe)[1] ** 2).sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad)
+        assert_grads_equal(graphed, eager)
+
+
+def test_pool_auto_follows_the_pipeline_size():
+    layers = [Toy()]
+    make = lambda **kw: GraphManager(GraphsConfig(enabled=True), layers, backend=RerunBackend(), **kw)  # noqa: E731
+    assert make(pipeline_size=1).stats()["pool"] == "shared"
+    assert make(pipeline_size=2).stats()["pool"] == "slot"
+    assert make().stats()["pool"] == "slot"  # unknown (no megatron parallel state): the safe one
+
+
 # ----------------------------------------------------------------------------------------------
 # keys, warm-up, unseen shapes, reset, parameter replacement, restore, eval / no_grad
 

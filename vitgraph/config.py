@@ -489,6 +489,9 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("graphs.scope", "step", f"with train.precision=fp8 only with train.fp8_recipe=current "
                                     f"(got {t.fp8_recipe!r}); or use graphs.scope=layer with "
                                     "graphs.impl=te")
+    if cfg.graphs.pool == "shared" and p.pp > 1:
+        err("graphs.pool", "shared", "needs parallel.pp=1: a pipeline schedule replays the layer "
+                                     "graphs in another order than they were captured (use auto)")
     if p.sequence_parallel and p.tp == 1:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":

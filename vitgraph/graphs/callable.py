@@ -18,20 +18,33 @@ autograd ctx) and frees it. With every slot busy a new one is captured (up to ma
 Replaying one slot for every microbatch is the classic 1F1B failure: microbatch 1's forward
 overwrites the activations microbatch 0's backward still needs.
 
-Memory: one private pool per slot (its forward and backward graph). Graphs sharing a pool
-may be handed, as *live* memory (saved activations, outputs), blocks another graph freed
-during its capture (its temporaries). That is only safe when the graphs replay in capture
-order -- torch's and TE's make_graphed_callables capture everything at once in replay order
-(megatron passes TE the pipeline schedule as `_order`). Here slots are captured on demand:
+Memory, `pool="slot"`: one private pool per slot (its forward and backward graph). Graphs
+sharing a pool may be handed, as *live* memory (saved activations, outputs), blocks another
+graph freed during its capture (its temporaries). That is only safe when the graphs replay in
+capture order -- torch's and TE's make_graphed_callables capture everything at once in replay
+order (megatron passes TE the pipeline schedule as `_order`). Slots are captured on demand:
 the second microbatch in flight, a new shape, a re-capture after parameters were replaced.
-No capture order matches every replay order, and with one shared pool (checked on an H200)
-slot 0's backward wrote its temporaries over slot 1's saved activations: the second
-microbatch's gradients were 20% off. Inside a slot the forward replays before the backward,
-as captured, so the backward may reuse memory the forward freed and its own saved
-activations (retain_graph=False); the backward's outputs may therefore sit in memory the
-next forward replay of the slot overwrites, which is why the parameter-gradient guard below
-runs before each forward replay. Cost against an ideally ordered shared pool: one set of
-backward temporaries per slot (at ViT micro-batch 8 a few MB per layer).
+Under a pipeline schedule no capture order matches every replay order, and with one shared
+pool (checked on an H200) slot 0's backward wrote its temporaries over slot 1's saved
+activations: the second microbatch's gradients were 20% off. Inside a slot the forward
+replays before the backward, as captured, so the backward may reuse memory the forward freed
+and its own saved activations (retain_graph=False); the backward's outputs may therefore sit
+in memory the next forward replay of the slot overwrites, which is why the parameter-gradient
+guard below runs before each forward replay. The cost: every slot keeps its own temporaries
+(ViT-L at micro-batch 256: layer graphs reserved 1.52x eager's memory on an H200).
+
+Memory, `ordered=True` (the manager's `pool: shared`, chosen where one microbatch runs
+forward and backward before the next starts, i.e. no pipeline): slot 0 of every layer is
+captured *in the order the step runs it* -- the forward at its first call, the backward at
+its first backward, from inside autograd's backward pass -- into one pool the manager shares
+between all layers for that capture step. Every later step replays the same graphs in that
+same order, so a block one graph freed at capture (its temporaries, or saved activations a
+finished backward no longer needs) is only ever reused by graphs that replay after it,
+exactly as the allocator reused it in eager mode. Such a slot also keeps no copies: its static
+inputs are the tensors of the capture call (the previous layer's static output, so a replay
+copies nothing) and its incoming-gradient buffers are the gradients of the capture backward
+(the next layer's static input gradient). Further slots of the layer (microbatches in flight)
+keep private pools.
 
 Output contract (as torch's and TE's graphed callables): the tensors returned by a forward
 are the slot's static outputs (detached views). They stay valid until that slot replays its
@@ -191,6 +204,8 @@ class Slot:
         self.param_grads: list = []  # (param, static grad) for the copy-on-conflict guard
         self.fused: list = []  # params needing grad_added_to_main_grad = True each replay
         self.pool_bytes = 0
+        # ordered slots: captures the backward at the slot's first backward (grads in)
+        self.capture_backward: Optional[Callable[[tuple], None]] = None
         # TE implementation
         self.te_callable: Any = None
         self.grad_ptrs: Optional[set] = None
@@ -236,6 +251,10 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):  # type: ignore[override]
         slot: Slot = ctx.slot
+        if slot.capture_backward is not None:  # an ordered slot's first backward: capture it now
+            capture, slot.capture_backward = slot.capture_backward, None
+            if capture(grads):  # the backend executed it while capturing (CPU rerun)
+                return _Replay._grads(ctx, slot)
         for buf, g in zip(slot.grad_bufs, grads):
             if buf is None:
                 continue
@@ -244,6 +263,10 @@ class _Replay(torch.autograd.Function):
             elif buf.data_ptr() != g.data_ptr():
                 buf.copy_(g)
         slot.bwd.replay()
+        return _Replay._grads(ctx, slot)
+
+    @staticmethod
+    def _grads(ctx, slot: Slot) -> tuple:
         static = slot.bwd.outputs
         out: list = [None, None]
         n_in = len(slot.static_in)
@@ -265,7 +288,10 @@ class GraphedCallable:
 
     def __init__(self, module: torch.nn.Module, forward_fn: Callable, backend: CaptureBackend,
                  *, max_slots: int = 8, warmup_iters: int = 2, name: str = "",
-                 on_capture: Optional[Callable[["GraphedCallable", Slot, float], None]] = None):
+                 on_capture: Optional[Callable[["GraphedCallable", Slot, float], None]] = None,
+                 ordered: bool = False, shared_pool: Optional[Callable[[], Any]] = None):
+        self.ordered = ordered  # slot 0 captured in run order into shared_pool() (see "Memory")
+        self.shared_pool = shared_pool
         self.module = module
         self.forward_fn = forward_fn
         self.backend = backend
@@ -341,15 +367,17 @@ class GraphedCallable:
         return slot
 
     # capture ---------------------------------------------------------------------------
-    def _static_inputs(self, flat: list) -> list:
+    def _static_inputs(self, flat: list, copy: bool = True) -> list:
         with torch.no_grad():
-            return [x.detach().clone().requires_grad_(x.requires_grad) for x in flat]
+            return [(x.detach().clone() if copy else x.detach()).requires_grad_(x.requires_grad)
+                    for x in flat]
 
     def _capture(self, index: int, flat: list, spec: tuple) -> Slot:
         backend = self.backend
         slot = Slot(index)
+        ordered = self.ordered and index == 0 and self.shared_pool is not None
         params = [p for p in self.module.parameters() if p.requires_grad]
-        static_in = self._static_inputs(flat)
+        static_in = self._static_inputs(flat, copy=not ordered)
         holder: dict = {}
         forward_fn = self.forward_fn
         autocast = autocast_without_cache(flat)
@@ -364,7 +392,7 @@ class GraphedCallable:
 
         diff_in = [s for s in static_in if s.requires_grad] + params
 
-        pool = backend.make_pool()  # private to this slot: see "Memory" above
+        pool = self.shared_pool() if ordered else backend.make_pool()  # see "Memory" above
         rng = backend.rng_snapshot()
         try:
             with ParamSideEffects(params) as side, capture_flags():
@@ -377,45 +405,57 @@ class GraphedCallable:
                                                 allow_unused=True)
                         del outs, roots
                 fwd = backend.capture(run_forward, pool)
-                outs = fwd.outputs
-                out_rg = [o.requires_grad for o in outs]
-                bwd = None
-                grad_bufs: list = [None] * len(outs)
-                if any(out_rg) and diff_in:
-                    grad_bufs = [torch.zeros_like(o) if rg else None for o, rg in zip(outs, out_rg)]
-                    idx = [i for i, rg in enumerate(out_rg) if rg]
-
-                    def run_backward() -> list:
-                        roots = fwd.grad_roots()
-                        return list(torch.autograd.grad([roots[i] for i in idx], diff_in,
-                                                        grad_outputs=[grad_bufs[i] for i in idx],
-                                                        allow_unused=True))
-
-                    bwd = backend.capture(run_backward, pool)
         finally:
             backend.rng_restore(rng)
+        outs = fwd.outputs
+        out_rg = [o.requires_grad for o in outs]
 
         slot.static_in = static_in
         slot.params = params
-        slot.fwd, slot.bwd = fwd, bwd
+        slot.fwd = fwd
         slot.out_spec = holder["spec"]
         slot.out_rg = out_rg
-        slot.grad_bufs = grad_bufs
+        slot.grad_bufs = [None] * len(outs)
         slot.fused = side.fused
-        slot.pool_bytes = fwd.pool_bytes + (bwd.pool_bytes if bwd is not None else 0)
-        grad_map = []
-        j = 0
+        slot.pool_bytes = fwd.pool_bytes
+        has_bwd = any(out_rg) and bool(diff_in)
+        slot.grad_map, j = [], 0
         for s in static_in + params:
-            if bwd is not None and s.requires_grad:
-                grad_map.append(j)
-                j += 1
-            else:
-                grad_map.append(-1)
-        slot.grad_map = grad_map
-        if bwd is not None:
+            slot.grad_map.append(j if has_bwd and s.requires_grad else -1)
+            j += int(has_bwd and s.requires_grad)
+        if not has_bwd:
+            return slot
+        idx = [i for i, rg in enumerate(out_rg) if rg]
+
+        def capture_backward(grads: Optional[tuple] = None) -> bool:
+            """The slot's backward graph. ``grads``: the incoming gradients of the slot's first
+            backward (an ordered slot keeps them as its buffers); None: zero buffers.
+            Returns whether the backend executed it while capturing."""
+            slot.grad_bufs = [None] * len(outs)
+            for i in idx:
+                g = None if grads is None else grads[i]
+                slot.grad_bufs[i] = g.detach() if g is not None else torch.zeros_like(outs[i])
+
+            def run_backward() -> list:
+                roots = fwd.grad_roots()
+                return list(torch.autograd.grad([roots[i] for i in idx], diff_in,
+                                                grad_outputs=[slot.grad_bufs[i] for i in idx],
+                                                allow_unused=True))
+
+            with ParamSideEffects(params) as bwd_side, capture_flags():
+                bwd = backend.capture(run_backward, pool)
+            slot.bwd = bwd
+            slot.fused = list({id(p): p for p in [*slot.fused, *bwd_side.fused]}.values())
+            slot.pool_bytes += bwd.pool_bytes
             n_in = len(static_in)
-            slot.param_grads = [(p, bwd.outputs[grad_map[n_in + k]]) for k, p in enumerate(params)
-                                if bwd.outputs[grad_map[n_in + k]] is not None]
+            slot.param_grads = [(p, bwd.outputs[slot.grad_map[n_in + k]]) for k, p in enumerate(params)
+                                if bwd.outputs[slot.grad_map[n_in + k]] is not None]
+            return bool(getattr(backend, "capture_runs", False))
+
+        if ordered:
+            slot.capture_backward = capture_backward
+        else:
+            capture_backward()
         return slot
 
     # replay ----------------------------------------------------------------------------
@@ -426,6 +466,7 @@ class GraphedCallable:
             p.grad_added_to_main_grad = True
         leaf_mask = tuple(x.requires_grad and x.grad_fn is None for x in flat)
         outs = _Replay.apply(slot, leaf_mask, *flat, *slot.params)
-        if slot.bwd is None or not any(o.requires_grad for o in outs):
+        if (slot.bwd is None and slot.capture_backward is None) or \
+                not any(o.requires_grad for o in outs):
             slot.busy = False  # no backward will come for this call
         return tree.unflatten(outs, slot.out_spec)

@@ -13,6 +13,10 @@
                              #   capture -> capture it too;  eager -> run that shape eagerly
       max_slots: 8         # graph copies per layer and shape: microbatches in flight at once
       capture_warmup_iters: 2  # eager fwd+bwd iterations on a side stream before each capture
+      pool: auto           # layer graphs' memory: shared -> the layers' graphs, captured in the
+                           #   order the step runs them, share one pool (no pipeline only);
+                           #   slot -> one pool per graph copy (any replay order);
+                           #   auto -> shared without a pipeline (parallel.pp=1), else slot
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 IMPLS = ("local", "te")
 SCOPES = ("layer", "step")
 ON_NEW_SHAPE = ("capture", "eager")
+POOLS = ("auto", "shared", "slot")
 
 
 @dataclass
@@ -33,6 +38,7 @@ class GraphsConfig:
     on_new_shape: str = "capture"
     max_slots: int = 8
     capture_warmup_iters: int = 2
+    pool: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -49,6 +55,8 @@ class GraphsConfig:
             raise bad("scope", self.scope, f"must be one of {', '.join(SCOPES)}")
         if self.on_new_shape not in ON_NEW_SHAPE:
             raise bad("on_new_shape", self.on_new_shape, f"must be one of {', '.join(ON_NEW_SHAPE)}")
+        if self.pool not in POOLS:
+            raise bad("pool", self.pool, f"must be one of {', '.join(POOLS)}")
         for key, lo in (("warmup_steps", 0), ("max_slots", 1), ("capture_warmup_iters", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:

@@ -39,9 +39,13 @@ Requirements on a GPU (checked, with the fix in the error message):
   (`model_parallel_cuda_manual_seed(seed, te_rng_tracker=True)`): TE asserts it under
   capture. It is graph-safe; without TE, `use_cudagraphable_rng=True` is.
 
-Memory: every slot (a layer's forward + backward graph for one shape and one microbatch in
-flight) has its own graph pool; see callable.py for why one shared pool is unsafe when
-graphs are captured on demand.
+Memory (`pool`): without a pipeline (`shared`; `auto` when megatron's pipeline size is 1 or
+`pipeline_size=1` is passed) each layer's first slot is captured in the order the step runs
+it -- forwards first, each backward at its first backward -- and all of them share one pool
+per capture step, so temporaries are reused across layers as in eager mode; the next step
+replays them in the same order. Under a pipeline schedule (`slot`) every slot (a layer's
+forward + backward graph for one shape and one microbatch in flight) has its own pool,
+because there no capture order matches every replay order; see callable.py.
 
 Parameter replacement (a new tensor assigned to a parameter, `.data` swapped, requires_grad
 flipped, megatron's main_grad buffer re-made) is detected once per step per layer by
@@ -84,6 +88,17 @@ class _Layer:
         self.preflighted = False
 
 
+def _megatron_pipeline_size() -> Optional[int]:
+    """megatron's pipeline size where its parallel state is set up, else None (unknown)."""
+    try:
+        from megatron.core import parallel_state
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_pipeline_model_parallel_world_size()
+    except Exception:  # megatron missing or half set up: unknown
+        pass
+    return None
+
+
 def find_transformer_layers(model_chunks: Any) -> list:
     """The layers of every megatron TransformerBlock in the chunks, in model order.
 
@@ -120,7 +135,7 @@ def find_transformer_layers(model_chunks: Any) -> list:
 class GraphManager:
     def __init__(self, cfg: GraphsConfig | Mapping | None, layers: Sequence[torch.nn.Module], *,
                  backend: Optional[CaptureBackend] = None,
-                 te_make_graphed_callables: Any = None):
+                 te_make_graphed_callables: Any = None, pipeline_size: Optional[int] = None):
         if cfg is None:
             cfg = GraphsConfig()
         elif isinstance(cfg, Mapping):
@@ -147,17 +162,22 @@ class GraphManager:
         self._attention_backend: Optional[dict] = None
         self._warned: set = set()
         self._ddp = False  # megatron DDP around the layers (for_model finds out)
+        if pipeline_size is None:
+            pipeline_size = _megatron_pipeline_size()
+        self.shared_pool = cfg.pool == "shared" or (cfg.pool == "auto" and pipeline_size == 1)
+        self._pool: Any = None  # the shared pool of the current capture step
 
     # construction ----------------------------------------------------------------------
     @classmethod
     def for_model(cls, model_chunks: Any, cfg: GraphsConfig | Mapping | None, *,
                   backend: Optional[CaptureBackend] = None, apply: bool = True,
-                  te_make_graphed_callables: Any = None) -> "GraphManager":
+                  te_make_graphed_callables: Any = None,
+                  pipeline_size: Optional[int] = None) -> "GraphManager":
         """Manager over every TransformerLayer of `model_chunks` (a module or a list of
         them; DDP / Float16Module wrappers are fine). With `cfg.enabled` false it is inert:
         nothing is patched and step_begin/reset/restore do nothing."""
         mgr = cls(cfg, find_transformer_layers(model_chunks), backend=backend,
-                  te_make_graphed_callables=te_make_graphed_callables)
+                  te_make_graphed_callables=te_make_graphed_callables, pipeline_size=pipeline_size)
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         mgr._ddp = any(type(m).__name__ == "DistributedDataParallel" and hasattr(m, "grad_accs")
                        for chunk in chunks for m in chunk.modules())
@@ -184,15 +204,17 @@ class GraphManager:
             kwargs = {}
             if cls is TEGraphedCallable:
                 kwargs["make_graphed_callables"] = self._te_mgc
+            elif self.shared_pool:
+                kwargs.update(ordered=True, shared_pool=self._current_pool)
             st.callable = cls(st.module, st.orig_forward, backend,
                               max_slots=self.cfg.max_slots, warmup_iters=self.cfg.capture_warmup_iters,
                               name=f"layer{st.index}", on_capture=self._on_capture, **kwargs)
             st.module.forward = self._make_forward(st)
             st.patched = True
         self._applied = True
-        log.info("graphs: %d layers, impl=%s, backend=%s, warmup_steps=%d, on_new_shape=%s, max_slots=%d",
-                 len(self.layers), self.cfg.impl, backend.name, self.cfg.warmup_steps,
-                 self.cfg.on_new_shape, self.cfg.max_slots)
+        log.info("graphs: %d layers, impl=%s, backend=%s, warmup_steps=%d, on_new_shape=%s, max_slots=%d, "
+                 "pool=%s", len(self.layers), self.cfg.impl, backend.name, self.cfg.warmup_steps,
+                 self.cfg.on_new_shape, self.cfg.max_slots, self._pool_mode())
         return self
 
     def restore(self, drop_graphs: bool = True) -> None:
@@ -210,10 +232,20 @@ class GraphManager:
                 st.callable.drop()
         self._applied = False
 
+    def _pool_mode(self) -> str:
+        return "shared" if self.shared_pool and self.cfg.impl == "local" else "slot"
+
+    def _current_pool(self) -> Any:
+        """The pool the ordered slots captured in this step share (made at the first)."""
+        if self._pool is None:
+            self._pool = self.backend.make_pool()
+        return self._pool
+
     # steps -----------------------------------------------------------------------------
     def step_begin(self, step: Optional[int] = None) -> None:
         if not self._applied:
             return
+        self._pool = None  # graphs captured from here on replay in this step's order
         self._step = step
         self._nsteps += 1
         idx = self._nsteps - 1
@@ -230,6 +262,7 @@ class GraphManager:
     def reset(self) -> None:
         """Drop every graph (after a checkpoint load or parameter replacement); the layers
         re-capture at their next graphed call. Counters and known shapes are kept."""
+        self._pool = None
         for st in self.layers:
             if st.callable is not None and st.callable.sets:
                 self._dropped_pool_bytes += st.callable.pool_bytes()
@@ -342,6 +375,7 @@ class GraphManager:
         return {
             "enabled": bool(self.cfg.enabled),
             "impl": self.cfg.impl,
+            "pool": self._pool_mode(),
             "backend": self._backend.name if self._backend is not None else None,
             "active": self.active,
             "steps": self._nsteps,

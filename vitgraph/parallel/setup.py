@@ -309,5 +309,5 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
         graphs = StepGraphs(cfg.graphs, barrier=dist.barrier)
     elif cfg.graphs.enabled:
         from vitgraph.graphs import GraphManager
-        graphs = GraphManager.for_model(wrapped, cfg.graphs)
+        graphs = GraphManager.for_model(wrapped, cfg.graphs, pipeline_size=d.pp)
     return wrapped, graphs
