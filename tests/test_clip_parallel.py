@@ -59,7 +59,10 @@ def _worker(rank, world, port, name, out_dir):
     split = [n for n in grads1 if grads1[n].shape != dict(_shapes(grads2))[n]]
     assert not split, split
     for n in grads1:
-        torch.testing.assert_close(grads2[n], grads1[n], rtol=1e-4, atol=1e-6, msg=n)
+        # fp32 sums in another order over two ranks: one text.pos_embed element of 8192
+        # differed by 1.5e-6 once the patch embedding became a GEMM
+        torch.testing.assert_close(grads2[n], grads1[n], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{n}: {m}")
     torch.save({"ok": True}, os.path.join(out_dir, f"ok{rank}.pt"))
 
 
