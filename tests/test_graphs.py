@@ -415,12 +415,50 @@ def test_shared_pool_first_backward_with_an_unused_output_and_a_leaf_input():
         assert_grads_equal(graphed, eager)
 
 
-def test_pool_auto_follows_the_pipeline_size():
-    layers = [Toy()]
-    make = lambda **kw: GraphManager(GraphsConfig(enabled=True), layers, backend=RerunBackend(), **kw)  # noqa: E731
-    assert make(pipeline_size=1).stats()["pool"] == "shared"
-    assert make(pipeline_size=2).stats()["pool"] == "slot"
-    assert make().stats()["pool"] == "slot"  # unknown (no megatron parallel state): the safe one
+def test_pool_auto_is_shared_only_without_a_pipeline_under_megatron_ddp():
+    def mode(pp, ddp):
+        mgr = GraphManager(GraphsConfig(enabled=True), [Toy()], backend=RerunBackend(), pipeline_size=pp)
+        mgr._ddp = ddp
+        return mgr.apply().stats()["pool"]
+    assert mode(1, True) == "shared"
+    assert mode(2, True) == "slot"
+    assert mode(1, False) == "slot"  # plain .grad accumulation: per-slot pools
+    assert mode(None, True) == "slot"  # pipeline size unknown (no megatron parallel state)
+
+
+def test_shared_pool_copies_what_no_ordered_slot_owns_and_frees_kept_grads_before_any_replay():
+    """An expanded mask and the caller's input are copied into the slot's own buffers (a copy
+    into an alias of them would write the caller's memory; into an expanded one it fails);
+    a parameter gradient autograd kept as .grad from an ordered slot is copied out before the
+    next replay of *any* ordered graph (an earlier-captured graph may reuse that memory)."""
+    torch.manual_seed(19)
+    eager = nn.ModuleList([Toy(), Toy()])
+    graphed = copy.deepcopy(eager)
+    mgr = manager_for(list(graphed), pool="shared")
+    mask = torch.ones(1, 8).expand(4, 8)
+
+    def forward(layers, x):
+        h = x
+        for layer in layers:
+            h, _ = layer(hidden_states=h, attention_mask=mask)
+        return h
+
+    for step in range(3):
+        mgr.step_begin(step)
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            h = forward(graphed[:1], x)  # layer 0 replays before layer 1 unaliases its own
+            if step > 0:
+                owned = {t.data_ptr() for st in mgr.layers for v in st.callable.sets.values()
+                         for slot in v for t in slot.owned()}
+                assert all(p.grad is None or p.grad.data_ptr() not in owned
+                           for p in graphed.parameters())
+            h, _ = graphed[1](hidden_states=h, attention_mask=mask)
+            leaf_loss(h).backward()
+            leaf_loss(forward(eager, x)).backward()
+        assert_grads_equal(graphed, eager)
+    first = next(iter(mgr.layers[0].callable.sets.values()))[0]
+    assert first.static_in[0].data_ptr() != x.data_ptr()  # the caller's input: copied
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,12 +39,14 @@ captured *in the order the step runs it* -- the forward at its first call, the b
 its first backward, from inside autograd's backward pass -- into one pool the manager shares
 between all layers for that capture step. Every later step replays the same graphs in that
 same order, so a block one graph freed at capture (its temporaries, or saved activations a
-finished backward no longer needs) is only ever reused by graphs that replay after it,
-exactly as the allocator reused it in eager mode. Such a slot also keeps no copies: its static
-inputs are the tensors of the capture call (the previous layer's static output, so a replay
-copies nothing) and its incoming-gradient buffers are the gradients of the capture backward
-(the next layer's static input gradient). Further slots of the layer (microbatches in flight)
-keep private pools.
+finished backward no longer needs) is only reused by graphs that replay after it within the
+step, as the allocator reused it in eager mode. What a graph hands out must therefore be used
+before the cycle comes round again: layer outputs and input gradients are; parameter
+gradients autograd keeps as `.grad` are copied out before the next replay (OrderedGroup).
+Such a slot keeps no copy of what another ordered slot owns: its static input is the
+previous layer's static output and its incoming-gradient buffer the next layer's input
+gradient, so a replay copies nothing between layers. Further slots of the layer
+(microbatches in flight) keep private pools and copies.
 
 Output contract (as torch's and TE's graphed callables): the tensors returned by a forward
 are the slot's static outputs (detached views). They stay valid until that slot replays its
@@ -206,9 +208,14 @@ class Slot:
         self.pool_bytes = 0
         # ordered slots: captures the backward at the slot's first backward (grads in)
         self.capture_backward: Optional[Callable[[tuple], None]] = None
+        self.group: Optional["OrderedGroup"] = None
         # TE implementation
         self.te_callable: Any = None
         self.grad_ptrs: Optional[set] = None
+
+    def owned(self) -> list:
+        """The tensors this slot's graphs write and keep (static outputs, gradients)."""
+        return [t for g in (self.fwd, self.bwd) if g is not None for t in g.outputs if t is not None]
 
     @property
     def num_graphs(self) -> int:
@@ -226,6 +233,32 @@ def _unalias_param_grads(slot: Slot) -> None:
         pg = p.grad
         if pg is not None and pg.data_ptr() == g.data_ptr():
             p.grad = pg.clone()
+
+
+class OrderedGroup:
+    """The ordered slots of every layer of one manager (`pool: shared`).
+
+    A tensor one of them owns may be another one's static input or gradient buffer as it is
+    (the previous layer's output, the next layer's input gradient); anything else -- the
+    caller's input, a mask, the loss's gradient -- is copied into a buffer of the slot's own.
+    A parameter gradient autograd took as `.grad` from a slot's buffer must be copied out
+    before *any* graph of the shared pool replays again, not only that slot's forward: a
+    graph captured earlier may use the buffer's memory for its temporaries."""
+
+    def __init__(self):
+        self.slots: list = []
+        self.dirty = False  # an ordered backward handed out parameter gradients
+
+    def owns(self, t: torch.Tensor) -> bool:
+        ptr, shape, stride = t.data_ptr(), t.shape, t.stride()
+        return any(o.data_ptr() == ptr and o.shape == shape and o.stride() == stride
+                   for slot in self.slots for o in slot.owned())
+
+    def before_replay(self) -> None:
+        if self.dirty:
+            for slot in self.slots:
+                _unalias_param_grads(slot)
+            self.dirty = False
 
 
 class _Replay(torch.autograd.Function):
@@ -267,6 +300,8 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def _grads(ctx, slot: Slot) -> tuple:
+        if slot.group is not None:
+            slot.group.dirty = True
         static = slot.bwd.outputs
         out: list = [None, None]
         n_in = len(slot.static_in)
@@ -289,8 +324,9 @@ class GraphedCallable:
     def __init__(self, module: torch.nn.Module, forward_fn: Callable, backend: CaptureBackend,
                  *, max_slots: int = 8, warmup_iters: int = 2, name: str = "",
                  on_capture: Optional[Callable[["GraphedCallable", Slot, float], None]] = None,
-                 ordered: bool = False, shared_pool: Optional[Callable[[], Any]] = None):
-        self.ordered = ordered  # slot 0 captured in run order into shared_pool() (see "Memory")
+                 group: Optional[OrderedGroup] = None, shared_pool: Optional[Callable[[], Any]] = None):
+        # with a group: slot 0 captured in run order into shared_pool() (see "Memory")
+        self.group = group if shared_pool is not None else None
         self.shared_pool = shared_pool
         self.module = module
         self.forward_fn = forward_fn
@@ -323,6 +359,9 @@ class GraphedCallable:
     def drop(self) -> None:
         """Forget every graph. Slots still referenced by a pending backward stay alive
         through the autograd ctx until that backward ran."""
+        if self.group is not None:
+            mine = {id(s) for v in self.sets.values() for s in v}
+            self.group.slots = [s for s in self.group.slots if id(s) not in mine]
         self.sets = {}
         self.sig = None
 
@@ -367,17 +406,17 @@ class GraphedCallable:
         return slot
 
     # capture ---------------------------------------------------------------------------
-    def _static_inputs(self, flat: list, copy: bool = True) -> list:
+    def _static_inputs(self, flat: list, share=lambda x: False) -> list:
         with torch.no_grad():
-            return [(x.detach().clone() if copy else x.detach()).requires_grad_(x.requires_grad)
+            return [(x.detach() if share(x) else x.detach().clone()).requires_grad_(x.requires_grad)
                     for x in flat]
 
     def _capture(self, index: int, flat: list, spec: tuple) -> Slot:
         backend = self.backend
         slot = Slot(index)
-        ordered = self.ordered and index == 0 and self.shared_pool is not None
+        group = self.group if index == 0 else None  # further slots: private pools, copies
         params = [p for p in self.module.parameters() if p.requires_grad]
-        static_in = self._static_inputs(flat, copy=not ordered)
+        static_in = self._static_inputs(flat, group.owns if group is not None else (lambda x: False))
         holder: dict = {}
         forward_fn = self.forward_fn
         autocast = autocast_without_cache(flat)
@@ -392,7 +431,7 @@ class GraphedCallable:
 
         diff_in = [s for s in static_in if s.requires_grad] + params
 
-        pool = self.shared_pool() if ordered else backend.make_pool()  # see "Memory" above
+        pool = self.shared_pool() if group is not None else backend.make_pool()  # see "Memory" above
         rng = backend.rng_snapshot()
         try:
             with ParamSideEffects(params) as side, capture_flags():
@@ -434,7 +473,11 @@ class GraphedCallable:
             slot.grad_bufs = [None] * len(outs)
             for i in idx:
                 g = None if grads is None else grads[i]
-                slot.grad_bufs[i] = g.detach() if g is not None else torch.zeros_like(outs[i])
+                if g is not None and group is not None and group.owns(g):
+                    slot.grad_bufs[i] = g.detach()
+                else:  # a buffer of its own, holding this backward's gradient
+                    buf = torch.zeros_like(outs[i])
+                    slot.grad_bufs[i] = buf if g is None else buf.copy_(g)
 
             def run_backward() -> list:
                 roots = fwd.grad_roots()
@@ -452,7 +495,9 @@ class GraphedCallable:
                                 if bwd.outputs[slot.grad_map[n_in + k]] is not None]
             return bool(getattr(backend, "capture_runs", False))
 
-        if ordered:
+        if group is not None:
+            slot.group = group
+            group.slots.append(slot)
             slot.capture_backward = capture_backward
         else:
             capture_backward()
@@ -465,6 +510,8 @@ class GraphedCallable:
         for p in slot.fused:
             p.grad_added_to_main_grad = True
         leaf_mask = tuple(x.requires_grad and x.grad_fn is None for x in flat)
+        if slot.group is not None:
+            slot.group.before_replay()
         outs = _Replay.apply(slot, leaf_mask, *flat, *slot.params)
         if (slot.bwd is None and slot.capture_backward is None) or \
                 not any(o.requires_grad for o in outs):

@@ -16,7 +16,8 @@
       pool: auto           # layer graphs' memory: shared -> the layers' graphs, captured in the
                            #   order the step runs them, share one pool (no pipeline only);
                            #   slot -> one pool per graph copy (any replay order);
-                           #   auto -> shared without a pipeline (parallel.pp=1), else slot
+                           #   auto -> shared without a pipeline (parallel.pp=1) under
+                           #   megatron DDP (the trainer's setup), else slot
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ Requirements on a GPU (checked, with the fix in the error message):
   (`model_parallel_cuda_manual_seed(seed, te_rng_tracker=True)`): TE asserts it under
   capture. It is graph-safe; without TE, `use_cudagraphable_rng=True` is.
 
-Memory (`pool`): without a pipeline (`shared`; `auto` when megatron's pipeline size is 1 or
-`pipeline_size=1` is passed) each layer's first slot is captured in the order the step runs
+Memory (`pool`): without a pipeline (`shared`; `auto` when megatron's pipeline size is 1, or
+`pipeline_size=1` is passed, and megatron DDP wraps the layers) each layer's first slot is captured in the order the step runs
 it -- forwards first, each backward at its first backward -- and all of them share one pool
 per capture step, so temporaries are reused across layers as in eager mode; the next step
 replays them in the same order. Under a pipeline schedule (`slot`) every slot (a layer's
@@ -65,7 +65,7 @@ import torch
 
 from . import tree
 from .backend import LEGACY_STREAM_HELP, CaptureBackend, default_backend, megatron_tracker_is_graph_safe
-from .callable import GraphedCallable, call_key, preflight
+from .callable import GraphedCallable, OrderedGroup, call_key, preflight
 from .config import GraphsConfig
 from .cudnn import te_attention_backend
 from .te_impl import TEGraphedCallable, fp8_active
@@ -162,9 +162,9 @@ class GraphManager:
         self._attention_backend: Optional[dict] = None
         self._warned: set = set()
         self._ddp = False  # megatron DDP around the layers (for_model finds out)
-        if pipeline_size is None:
-            pipeline_size = _megatron_pipeline_size()
-        self.shared_pool = cfg.pool == "shared" or (cfg.pool == "auto" and pipeline_size == 1)
+        self._pipeline_size = pipeline_size
+        self.shared_pool = cfg.pool == "shared"  # auto is settled by apply()
+        self._group = OrderedGroup()
         self._pool: Any = None  # the shared pool of the current capture step
 
     # construction ----------------------------------------------------------------------
@@ -200,12 +200,17 @@ class GraphManager:
             log.warning("graphs: no TransformerLayer found; nothing is graphed")
         cls = TEGraphedCallable if self.cfg.impl == "te" else GraphedCallable
         backend = self.backend
+        if self.cfg.pool == "auto":
+            # measured on an H200 under megatron DDP (gradients leave for main_grad in each
+            # backward); plain .grad accumulation and pipelines keep per-slot pools
+            pp = self._pipeline_size if self._pipeline_size is not None else _megatron_pipeline_size()
+            self.shared_pool = pp == 1 and self._ddp
         for st in self.layers:
             kwargs = {}
             if cls is TEGraphedCallable:
                 kwargs["make_graphed_callables"] = self._te_mgc
             elif self.shared_pool:
-                kwargs.update(ordered=True, shared_pool=self._current_pool)
+                kwargs.update(group=self._group, shared_pool=self._current_pool)
             st.callable = cls(st.module, st.orig_forward, backend,
                               max_slots=self.cfg.max_slots, warmup_iters=self.cfg.capture_warmup_iters,
                               name=f"layer{st.index}", on_capture=self._on_capture, **kwargs)
