@@ -39,11 +39,11 @@ Requirements on a GPU (checked, with the fix in the error message):
   (`model_parallel_cuda_manual_seed(seed, te_rng_tracker=True)`): TE asserts it under
   capture. It is graph-safe; without TE, `use_cudagraphable_rng=True` is.
 
-Memory (`pool`): without a pipeline (`shared`; `auto` when megatron's pipeline size is 1, or
-`pipeline_size=1` is passed, and megatron DDP wraps the layers) each layer's first slot is captured in the order the step runs
-it -- forwards first, each backward at its first backward -- and all of them share one pool
-per capture step, so temporaries are reused across layers as in eager mode; the next step
-replays them in the same order. Under a pipeline schedule (`slot`) every slot (a layer's
+Memory (`pool`): without a pipeline (`shared`; `auto` when megatron DDP wraps the layers and
+megatron's pipeline size, or the `pipeline_size` passed, is 1) each layer's first slot is
+captured in the order the step runs it -- forwards first, each backward at its first
+backward -- and all of them share one pool per capture step, so temporaries are reused
+across layers as in eager mode; the next step replays them in the same order. Under a pipeline schedule (`slot`) every slot (a layer's
 forward + backward graph for one shape and one microbatch in flight) has its own pool,
 because there no capture order matches every replay order; see callable.py.
 
