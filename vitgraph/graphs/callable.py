@@ -33,11 +33,11 @@ in memory the next forward replay of the slot overwrites, which is why the param
 guard below runs before each forward replay. The cost: every slot keeps its own temporaries
 (ViT-L at micro-batch 256: layer graphs reserved 1.52x eager's memory on an H200).
 
-Memory, `ordered=True` (the manager's `pool: shared`, chosen where one microbatch runs
-forward and backward before the next starts, i.e. no pipeline): slot 0 of every layer is
+Memory, with an `OrderedGroup` (the manager's `pool: shared`, chosen where one microbatch
+runs forward and backward before the next starts, i.e. no pipeline): slot 0 of every layer is
 captured *in the order the step runs it* -- the forward at its first call, the backward at
-its first backward, from inside autograd's backward pass -- into one pool the manager shares
-between all layers for that capture step. Every later step replays the same graphs in that
+its first backward, from inside autograd's backward pass -- into the group's one pool for
+that capture step. Every later step replays the same graphs in that
 same order, so a block one graph freed at capture (its temporaries, or saved activations a
 finished backward no longer needs) is only reused by graphs that replay after it within the
 step, as the allocator reused it in eager mode. What a graph hands out must therefore be used
@@ -243,11 +243,26 @@ class OrderedGroup:
     caller's input, a mask, the loss's gradient -- is copied into a buffer of the slot's own.
     A parameter gradient autograd took as `.grad` from a slot's buffer must be copied out
     before *any* graph of the shared pool replays again, not only that slot's forward: a
-    graph captured earlier may use the buffer's memory for its temporaries."""
+    graph captured earlier may use the buffer's memory for its temporaries.
 
-    def __init__(self):
+    The group also holds the pool its slots are captured into: one per capture step, so that
+    every graph in a pool replays in the order it was captured (`new_capture_step`)."""
+
+    def __init__(self, make_pool: Callable[[], Any]):
         self.slots: list = []
         self.dirty = False  # an ordered backward handed out parameter gradients
+        self._make_pool = make_pool
+        self._pool: Any = None
+
+    def pool(self) -> Any:
+        """This capture step's pool (made at its first capture)."""
+        if self._pool is None:
+            self._pool = self._make_pool()
+        return self._pool
+
+    def new_capture_step(self) -> None:
+        """Graphs captured from here on go into a new pool (a new step, or after a reset)."""
+        self._pool = None
 
     def owns(self, t: torch.Tensor) -> bool:
         ptr, shape, stride = t.data_ptr(), t.shape, t.stride()
@@ -324,10 +339,8 @@ class GraphedCallable:
     def __init__(self, module: torch.nn.Module, forward_fn: Callable, backend: CaptureBackend,
                  *, max_slots: int = 8, warmup_iters: int = 2, name: str = "",
                  on_capture: Optional[Callable[["GraphedCallable", Slot, float], None]] = None,
-                 group: Optional[OrderedGroup] = None, shared_pool: Optional[Callable[[], Any]] = None):
-        # with a group: slot 0 captured in run order into shared_pool() (see "Memory")
-        self.group = group if shared_pool is not None else None
-        self.shared_pool = shared_pool
+                 group: Optional[OrderedGroup] = None):
+        self.group = group  # slot 0 captured in run order into the group's pool (see "Memory")
         self.module = module
         self.forward_fn = forward_fn
         self.backend = backend
@@ -406,17 +419,17 @@ class GraphedCallable:
         return slot
 
     # capture ---------------------------------------------------------------------------
-    def _static_inputs(self, flat: list, share=lambda x: False) -> list:
+    def _static_inputs(self, flat: list, share: Optional[Callable[[torch.Tensor], bool]] = None) -> list:
         with torch.no_grad():
-            return [(x.detach() if share(x) else x.detach().clone()).requires_grad_(x.requires_grad)
-                    for x in flat]
+            return [(x.detach() if share is not None and share(x) else x.detach().clone())
+                    .requires_grad_(x.requires_grad) for x in flat]
 
     def _capture(self, index: int, flat: list, spec: tuple) -> Slot:
         backend = self.backend
         slot = Slot(index)
         group = self.group if index == 0 else None  # further slots: private pools, copies
         params = [p for p in self.module.parameters() if p.requires_grad]
-        static_in = self._static_inputs(flat, group.owns if group is not None else (lambda x: False))
+        static_in = self._static_inputs(flat, group.owns if group is not None else None)
         holder: dict = {}
         forward_fn = self.forward_fn
         autocast = autocast_without_cache(flat)
@@ -431,7 +444,7 @@ class GraphedCallable:
 
         diff_in = [s for s in static_in if s.requires_grad] + params
 
-        pool = self.shared_pool() if group is not None else backend.make_pool()  # see "Memory" above
+        pool = group.pool() if group is not None else backend.make_pool()  # see "Memory" above
         rng = backend.rng_snapshot()
         try:
             with ParamSideEffects(params) as side, capture_flags():

@@ -43,9 +43,10 @@ Memory (`pool`): without a pipeline (`shared`; `auto` when megatron DDP wraps th
 megatron's pipeline size, or the `pipeline_size` passed, is 1) each layer's first slot is
 captured in the order the step runs it -- forwards first, each backward at its first
 backward -- and all of them share one pool per capture step, so temporaries are reused
-across layers as in eager mode; the next step replays them in the same order. Under a pipeline schedule (`slot`) every slot (a layer's
-forward + backward graph for one shape and one microbatch in flight) has its own pool,
-because there no capture order matches every replay order; see callable.py.
+across layers as in eager mode; the next step replays them in the same order. Under a
+pipeline schedule (`slot`) every slot (a layer's forward + backward graph for one shape and
+one microbatch in flight) has its own pool, because there no capture order matches every
+replay order; see callable.py.
 
 Parameter replacement (a new tensor assigned to a parameter, `.data` swapped, requires_grad
 flipped, megatron's main_grad buffer re-made) is detected once per step per layer by
@@ -164,8 +165,7 @@ class GraphManager:
         self._ddp = False  # megatron DDP around the layers (for_model finds out)
         self._pipeline_size = pipeline_size
         self.shared_pool = cfg.pool == "shared"  # auto is settled by apply()
-        self._group = OrderedGroup()
-        self._pool: Any = None  # the shared pool of the current capture step
+        self._group = OrderedGroup(lambda: self.backend.make_pool())
 
     # construction ----------------------------------------------------------------------
     @classmethod
@@ -210,7 +210,7 @@ class GraphManager:
             if cls is TEGraphedCallable:
                 kwargs["make_graphed_callables"] = self._te_mgc
             elif self.shared_pool:
-                kwargs.update(group=self._group, shared_pool=self._current_pool)
+                kwargs["group"] = self._group
             st.callable = cls(st.module, st.orig_forward, backend,
                               max_slots=self.cfg.max_slots, warmup_iters=self.cfg.capture_warmup_iters,
                               name=f"layer{st.index}", on_capture=self._on_capture, **kwargs)
@@ -240,17 +240,11 @@ class GraphManager:
     def _pool_mode(self) -> str:
         return "shared" if self.shared_pool and self.cfg.impl == "local" else "slot"
 
-    def _current_pool(self) -> Any:
-        """The pool the ordered slots captured in this step share (made at the first)."""
-        if self._pool is None:
-            self._pool = self.backend.make_pool()
-        return self._pool
-
     # steps -----------------------------------------------------------------------------
     def step_begin(self, step: Optional[int] = None) -> None:
         if not self._applied:
             return
-        self._pool = None  # graphs captured from here on replay in this step's order
+        self._group.new_capture_step()  # graphs captured from here on replay in this step's order
         self._step = step
         self._nsteps += 1
         idx = self._nsteps - 1
@@ -267,7 +261,7 @@ class GraphManager:
     def reset(self) -> None:
         """Drop every graph (after a checkpoint load or parameter replacement); the layers
         re-capture at their next graphed call. Counters and known shapes are kept."""
-        self._pool = None
+        self._group.new_capture_step()
         for st in self.layers:
             if st.callable is not None and st.callable.sets:
                 self._dropped_pool_bytes += st.callable.pool_bytes()
