@@ -26,6 +26,9 @@ import torch
 
 from vitgraph.data.loader import MicrobatchLoader
 
+import os
+_STAGE_IN_THREAD = os.environ.get("VITGRAPH_STAGE_IN_THREAD") == "1"  # experiment
+
 
 class Prefetcher:
     """``MicrobatchLoader``'s interface (``next_step``, ``state_dict``, ``load_state_dict``,
@@ -53,7 +56,13 @@ class Prefetcher:
 
     def _make(self):
         """Background thread: the loader's next step, on the CPU, and its position after it."""
-        return self.loader.next_step(), self.loader.state_dict()
+        made = self.loader.next_step(), self.loader.state_dict()
+        if self.cuda and _STAGE_IN_THREAD:
+            from vitgraph.graphs.backend import CAPTURE_LOCK
+            torch.cuda.set_device(self.device)
+            with CAPTURE_LOCK:  # never beside a graph capture
+                return self._stage(made)
+        return made
 
     def _stage(self, made):
         """Training thread: a made step onto the device from the side stream (an event marks
@@ -86,7 +95,7 @@ class Prefetcher:
                 self._next = self._pool.submit(self._make)
             made = self._next.result()
             self._next = self._pool.submit(self._make)
-            self._staged = self._stage(made)
+            self._staged = made if (self.cuda and _STAGE_IN_THREAD) else self._stage(made)
         except Exception as e:
             self._error = e
 

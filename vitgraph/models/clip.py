@@ -21,6 +21,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vitgraph.models.fused_act import gelu_tanh, quick_gelu
 from vitgraph.models.init import init_clip_weights
 from vitgraph.models.registry import CLIPArch, get_clip_arch
 from vitgraph.models.specs import get_layer_spec
@@ -28,11 +29,6 @@ from vitgraph.models.text import TextTransformer
 from vitgraph.models.vit import ViT
 
 MAX_LOGIT_SCALE = math.log(100.0)
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """OpenAI CLIP's GELU approximation, x * sigmoid(1.702 x)."""
-    return x * torch.sigmoid(1.702 * x)
 
 
 class CLIP(MegatronModule):
@@ -77,11 +73,6 @@ class CLIP(MegatronModule):
     def clamp_logit_scale_(self) -> None:
         """Call after each optimizer step (open_clip does): the scale stays in [1, 100]."""
         self.logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """GELU with the tanh approximation (SigLIP)."""
-    return F.gelu(x, approximate="tanh")
 
 
 ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "gelu_tanh": gelu_tanh}

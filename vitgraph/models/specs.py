@@ -22,6 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from vitgraph.models.fused_act import bias_act
+
 SPECS = ("te", "torch")
 
 
@@ -95,6 +97,17 @@ class SDPAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+class BiasActMLP(MLP):
+    """megatron's MLP with fc1's bias and the activation as one kernel each way
+    (``vitgraph.models.fused_act``): fc1 returns its bias, as megatron builds it."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None or self.config.gated_linear_unit:
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        intermediate, bias = self.linear_fc1(hidden_states)
+        return self.linear_fc2(bias_act(intermediate, bias, self.activation_func))
+
+
 def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
@@ -108,7 +121,8 @@ def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType) -> Modu
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=IdentityOp,  # fused into linear_fc1
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)),
+            mlp=ModuleSpec(module=BiasActMLP,
+                           submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)),
             mlp_bda=get_bias_dropout_add,
         ),
     )
@@ -131,18 +145,12 @@ def _split_qkv_without_copy() -> None:
 
 
 @functools.cache
-def _te_linears_with_bias_in_gemm():
-    """megatron's TE linears that add their bias inside the GEMM (its gradient comes from the
-    backward GEMMs) instead of returning it. megatron has linear_proj, linear_fc1 and
-    linear_fc2 return their bias for a fused bias-GELU or bias-dropout-add; with those
-    fusions off (exact GELU; see vitgraph.parallel.setup) the bias became a separate broadcast
-    add over the activations: 72 kernels, 19 ms of a ViT-L step at mb 256 on an H200."""
-    from megatron.core.extensions.transformer_engine import (
-        TELayerNormColumnParallelLinear, TERowParallelLinear)
-
-    class TELayerNormColumnParallelLinearBias(TELayerNormColumnParallelLinear):
-        def __init__(self, *args, skip_bias_add: bool = False, **kwargs):
-            super().__init__(*args, skip_bias_add=False, **kwargs)
+def _te_row_parallel_with_bias_in_gemm():
+    """megatron's TE row-parallel linear adding its bias inside the GEMM (its gradient comes
+    from the backward GEMMs) instead of returning it for a bias-dropout-add, which with that
+    fusion off (see vitgraph.parallel.setup) is a separate broadcast add over the
+    activations. For linear_proj and linear_fc2; fc1's bias goes with the activation."""
+    from megatron.core.extensions.transformer_engine import TERowParallelLinear
 
     class TERowParallelLinearBias(TERowParallelLinear):
         def __init__(self, *args, skip_bias_add: bool = False, **kwargs):
@@ -152,7 +160,7 @@ def _te_linears_with_bias_in_gemm():
                 # the GEMM; with no reduction the GEMM can add it
                 self.gemm_bias_unfused_add = False
 
-    return TELayerNormColumnParallelLinearBias, TERowParallelLinearBias
+    return TERowParallelLinearBias
 
 
 # (padding_mask, causal) -> megatron's mask type
@@ -167,15 +175,15 @@ def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False) 
     mask = MASKS[(bool(padding_mask), bool(causal))]
     if name == "te":
         # megatron-core's TE ViT spec: no mask, layer norms fused into the linears; the
-        # biases of the projection and the MLP added inside their GEMMs
+        # biases of the projection and fc2 added inside their GEMMs
         from megatron.core.models.vision.vit_layer_specs import (
             get_vit_layer_with_transformer_engine_spec)
         _split_qkv_without_copy()
         spec = copy.deepcopy(get_vit_layer_with_transformer_engine_spec())
         spec.submodules.self_attention.params["attn_mask_type"] = mask
-        column, row = _te_linears_with_bias_in_gemm()
+        row = _te_row_parallel_with_bias_in_gemm()
         spec.submodules.self_attention.submodules.linear_proj = row
-        spec.submodules.mlp.submodules.linear_fc1 = column
+        spec.submodules.mlp.module = BiasActMLP  # fc1 (TE's, LN fused) returns its bias
         spec.submodules.mlp.submodules.linear_fc2 = row
         return spec
     if name == "torch":

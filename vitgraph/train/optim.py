@@ -182,8 +182,8 @@ class SyncFreeStep:
     here as device tensors.
 
     megatron's own step reads the gradient norm on the host (clipping, and vitgraph's skip of
-    non-finite steps); here the norm is reduced over megatron's grad-stats group and clipping
-    multiplies by a device factor. A non-finite norm sets ``found_inf`` and the fused kernel
+    non-finite steps); here the norm is reduced over megatron's grad-stats group and the fused
+    AdamW kernel clips, dividing each gradient by a device factor (its ``grad_scale``). A non-finite norm sets ``found_inf`` and the fused kernel
     leaves weights, moments and step counts as they were; the LR schedule still advances by
     one (the host cannot know). Uses megatron's pieces for the rest: ``prepare_grads`` (main
     gradients), ``get_main_grads_for_grad_norm`` (each shared gradient counted once) and
@@ -223,12 +223,9 @@ class SyncFreeStep:
         torch.distributed.all_reduce(sq, group=self.parts[0].get_grad_stats_parallel_group())
         norm = sq.sqrt()
         self.found_inf.copy_(torch.isfinite(norm).logical_not())
-        if self.clip > 0:
-            coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
-            main = [p.grad for part in self.parts for p in part.get_parameters()
-                    if p.grad is not None]
-            if main:
-                torch._foreach_mul_(main, coef)
+        # clipping as the fused kernel's grad_scale (it divides each gradient as it reads it):
+        # no separate pass over the gradients
+        scale = ((norm + 1e-6) / self.clip).clamp(min=1.0) if self.clip > 0 else None
         floats = []
         for t, g in zip(self._lrs, self._groups()):
             floats.append(g["lr"])
@@ -236,11 +233,29 @@ class SyncFreeStep:
         try:
             for part in self.parts:
                 part.optimizer.found_inf = self.found_inf
+                part.optimizer.grad_scale = scale
                 part.step_with_ready_grads()
         finally:
             for f, g in zip(floats, self._groups()):
                 g["lr"] = f
         return self.found_inf == 0, norm, None
+
+
+def _copy_weights_in_one_kernel(optimizer) -> None:
+    """megatron-core 0.16.1's bf16 optimizer copies its fp32 weights into the bf16 model one
+    tensor at a time (its multi-tensor copy is fp16 only): about 400 kernel launches a step
+    for a ViT-L. ``torch._foreach_copy_`` casts and copies them all in a few kernels, with
+    the same rounding."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    def copy_main_to_model(part):
+        model, main = part._get_model_and_main_params_data_float16()
+        if model:
+            torch._foreach_copy_(model, main)
+
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if type(part) is Float16OptimizerWithFloat16Params:  # not the distributed optimizer
+            part._copy_main_params_to_model_params = lambda part=part: copy_main_to_model(part)
 
 
 def build_optimizer(chunks: list, cfg: Config, cuda: bool):
@@ -264,6 +279,7 @@ def build_optimizer(chunks: list, cfg: Config, cuda: bool):
         name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))
     optimizer = get_megatron_optimizer(
         ocfg, chunks, config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
+    _copy_weights_in_one_kernel(optimizer)
     if cfg.graphs.enabled and cfg.graphs.scope == "step":
         sync_free = SyncFreeStep(optimizer, o.clip_grad)
         optimizer.step, optimizer.load_lr = sync_free.step, sync_free.load_lr
