@@ -11,7 +11,9 @@ Engine captures its graphs in CUDA's global capture mode, where an allocation by
 thread would break the capture. Without prefetching all of this sat between steps: ViT-B/16
 from JPEG shards trained at 0.55x its in-memory step rate on an H200
 (benchmarks/BENCHMARKS.md, fourth session); staged when a step was handed out, before its
-kernels were queued, still 0.66x (fifth session).
+kernels were queued, still 0.66x (fifth session). Staging from the background thread
+instead (the nvJPEG calls there, behind a lock against graph captures) measured worse than
+staging from the training thread: 2,000-2,540 against 2,380-2,860 img/s (sixth session).
 
 Order and content are the loader's alone (it is deterministic), so prefetching changes no
 batch. The checkpointed position is the one after the last step handed out, not the one the
@@ -25,9 +27,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from vitgraph.data.loader import MicrobatchLoader
-
-import os
-_STAGE_IN_THREAD = os.environ.get("VITGRAPH_STAGE_IN_THREAD") == "1"  # experiment
 
 
 class Prefetcher:
@@ -56,13 +55,7 @@ class Prefetcher:
 
     def _make(self):
         """Background thread: the loader's next step, on the CPU, and its position after it."""
-        made = self.loader.next_step(), self.loader.state_dict()
-        if self.cuda and _STAGE_IN_THREAD:
-            from vitgraph.graphs.backend import CAPTURE_LOCK
-            torch.cuda.set_device(self.device)
-            with CAPTURE_LOCK:  # never beside a graph capture
-                return self._stage(made)
-        return made
+        return self.loader.next_step(), self.loader.state_dict()
 
     def _stage(self, made):
         """Training thread: a made step onto the device from the side stream (an event marks
@@ -95,7 +88,7 @@ class Prefetcher:
                 self._next = self._pool.submit(self._make)
             made = self._next.result()
             self._next = self._pool.submit(self._make)
-            self._staged = made if (self.cuda and _STAGE_IN_THREAD) else self._stage(made)
+            self._staged = self._stage(made)
         except Exception as e:
             self._error = e
 

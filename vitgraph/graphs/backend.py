@@ -35,17 +35,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-import threading
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 Fn = Callable[[], list]
-
-
-# held around every capture; other threads' CUDA work (the data prefetcher's staging) takes it
-# too, so nothing runs beside a capture (TE captures in CUDA's global mode)
-CAPTURE_LOCK = threading.RLock()
 
 
 class Replayable:
@@ -298,10 +292,6 @@ class CudaBackend(CaptureBackend):
         torch.cuda.synchronize(self.device)
 
     def capture(self, fn: Fn, pool: Any) -> Replayable:
-        with CAPTURE_LOCK:
-            return self._capture(fn, pool)
-
-    def _capture(self, fn: Fn, pool: Any) -> Replayable:
         graph = torch.cuda.CUDAGraph()
         for gen in graph_safe_generators():
             graph.register_generator_state(gen)

@@ -284,7 +284,10 @@ class _Replay(torch.autograd.Function):
         _unalias_param_grads(slot)
         for static, real in zip(slot.static_in, tensors):
             if static.data_ptr() != real.data_ptr():
-                static.copy_(real)
+                # through .data: the captured forward saved this buffer for its backward, and
+                # an ordered slot captures that backward after this copy; a tracked copy would
+                # bump the version autograd checks
+                static.data.copy_(real)
         slot.fwd.replay()
         outs = tuple(o.detach() for o in slot.fwd.outputs)
         nondiff = [o for o, rg in zip(outs, slot.out_rg) if not rg]

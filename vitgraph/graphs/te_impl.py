@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import tree
-from .backend import CAPTURE_LOCK, megatron_rng_tracker
+from .backend import megatron_rng_tracker
 from .callable import GraphedCallable, ParamSideEffects, Slot, capture_flags
 
 
@@ -164,8 +164,7 @@ class TEGraphedCallable(GraphedCallable):
             before = backend.memory_reserved()
         # TE warms up with autograd.backward (not autograd.grad): megatron's capture flag
         # makes DDP's grad hooks return early, TE restores .grad, vitgraph restores main_grad
-        with CAPTURE_LOCK, ParamSideEffects(params) as side, capture_flags(te=False), \
-                _with_megatron_rng_in_te_registry():
+        with ParamSideEffects(params) as side, capture_flags(te=False), _with_megatron_rng_in_te_registry():
             graphed = mgc(wrapper, sample, **kw)
         if before is not None:
             backend.synchronize()
