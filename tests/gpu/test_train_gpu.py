@@ -131,3 +131,22 @@ def test_padded_tokens_do_not_change_the_model(tmp_path):
         assert rel < 2e-2, rel
     finally:
         t.close(shutdown_dist=False)
+
+
+def test_bf16_weights_copied_from_fp32_in_one_multi_tensor_call(tmp_path):
+    """megatron's bf16 optimizer copies fp32 weights to the model through vitgraph's
+    multi-tensor copy: after steps, every bf16 weight is its fp32 master rounded."""
+    t = make_trainer(tmp_path, "train.precision=bf16")
+    try:
+        train(t, 3)
+        parts = getattr(t.optimizer, "chained_optimizers", None) or [t.optimizer]
+        checked = 0
+        for part in parts:
+            assert "_copy_main_params_to_model_params" in vars(part)
+            model, main = part._get_model_and_main_params_data_float16()
+            for a, b in zip(model, main):
+                assert torch.equal(a, b.to(a.dtype))
+                checked += 1
+        assert checked >= 30  # two layers of twelve, embedding, norm and head
+    finally:
+        t.close(shutdown_dist=False)

@@ -28,9 +28,20 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
+    def _erf(x, e):
+        # erf(x) from e = exp(-x^2) (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7): the
+        # backward has that exponential anyway, and libdevice's erf made the exact-GELU
+        # kernels compute-bound (forward 297 us against 209 for QuickGELU at ViT-L mb 256)
+        a = tl.abs(x)
+        t = 1.0 / (1.0 + 0.3275911 * a)
+        p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+        r = 1.0 - p * e
+        return tl.where(x < 0, -r, r)
+
+    @triton.jit
     def _act(z, KIND: tl.constexpr):
         if KIND == 0:  # exact GELU
-            return 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+            return 0.5 * z * (1.0 + _erf(z * 0.7071067811865476, tl.exp(-0.5 * z * z)))
         if KIND == 1:  # QuickGELU
             return z * tl.sigmoid(1.702 * z)
         # tanh approximation; tanh(u) = 2 sigmoid(2u) - 1
@@ -40,8 +51,8 @@ if triton is not None:
     @triton.jit
     def _act_grad(z, KIND: tl.constexpr):
         if KIND == 0:
-            cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))
-            return cdf + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+            e = tl.exp(-0.5 * z * z)
+            return 0.5 * (1.0 + _erf(z * 0.7071067811865476, e)) + z * 0.3989422804014327 * e
         if KIND == 1:
             s = tl.sigmoid(1.702 * z)
             return s + 1.702 * z * s * (1.0 - s)
@@ -84,8 +95,8 @@ if triton is not None:
 
 # tile sizes, fixed rather than autotuned so that the bias gradient's summation order (and
 # so its bits) is the same in every run; chosen from a sweep on an H200 (ViT-L's MLP)
-FORWARD = dict(BLOCK_M=32, BLOCK_N=128, num_warps=4)
-BACKWARD = dict(ROWS=64, BLOCK_M=32, BLOCK_N=128, num_warps=4)
+FORWARD = dict(BLOCK_M=8, BLOCK_N=512, num_warps=8)
+BACKWARD = dict(ROWS=32, BLOCK_M=32, BLOCK_N=64, num_warps=4)
 
 
 def launch_forward(x, bias, y, kind: int, cfg: dict = FORWARD) -> None:
