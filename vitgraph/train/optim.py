@@ -241,24 +241,60 @@ class SyncFreeStep:
         return self.found_inf == 0, norm, None
 
 
-def _copy_weights_in_one_kernel(optimizer) -> None:
-    """megatron-core 0.16.1's bf16 optimizer copies its fp32 weights into the bf16 model one
-    tensor at a time (it passes no overflow buffer for bf16, as apex's multi-tensor scale once
-    lacked bf16): about 300 kernel launches a step for a ViT-L, 0.9 ms of a 14 ms step at
-    micro-batch 8 on an H200. TE's multi-tensor scale by 1.0 converts them all in a few
-    kernels, with the same rounding as ``copy_``."""
-    from megatron.core.optimizer.optimizer import (
-        Float16OptimizerWithFloat16Params, _multi_tensor_copy_this_to_that)
+def _multi_tensor_copy(this: list, that: list) -> None:
+    """``that[i].copy_(this[i])`` for all i in a few kernels (TE's multi-tensor scale by 1.0,
+    which rounds as ``copy_`` does), one call per pair of dtypes."""
+    from megatron.core.optimizer.optimizer import _multi_tensor_copy_this_to_that
+    by_dtypes: dict = {}
+    for a, b in zip(this, that):
+        by_dtypes.setdefault((a.dtype, b.dtype), ([], []))
+        by_dtypes[(a.dtype, b.dtype)][0].append(a)
+        by_dtypes[(a.dtype, b.dtype)][1].append(b)
+    for src, dst in by_dtypes.values():
+        flag = torch.zeros(1, dtype=torch.int, device=dst[0].device)
+        _multi_tensor_copy_this_to_that(this=src, that=dst, overflow_buf=flag)
 
-    def copy_main_to_model(part):
+
+def _copy_weights_in_one_kernel(optimizer) -> None:
+    """megatron-core 0.16.1 copies the optimizer's fp32 weights into the bf16 model one tensor
+    at a time: its bf16 optimizer passes no overflow buffer (apex's multi-tensor scale once
+    lacked bf16) and its distributed optimizer loops over parameter shards. That is about 300
+    kernel launches a step for a ViT-L, 0.9 ms of a 14 ms step at micro-batch 8 on an H200.
+    Here the same copies go through one multi-tensor call. The distributed optimizer keeps
+    megatron's own copy where it does more than copy (FSDP, FP8 parameters,
+    precision-aware optimizer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    def float16_copy(part):
         model, main = part._get_model_and_main_params_data_float16()
         if model:
-            _multi_tensor_copy_this_to_that(this=main, that=model, overflow_buf=part._vitgraph_flag)
+            _multi_tensor_copy(main, model)
+
+    def distributed_copy(part):
+        # megatron's copy_group_params, with the copies gathered into one call
+        this, that = [], []
+        for main_groups, model_groups in ((part.shard_fp32_from_float16_groups, part.model_float16_groups),
+                                          (part.shard_fp32_groups, part.model_fp32_groups)):
+            for main_group, model_group in zip(main_groups, model_groups):
+                for main, param in zip(main_group, model_group):
+                    world = part._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                    gbuf, _, bucket = part.model_param_gbuf_map[param]
+                    data = part.buffers[gbuf].buckets[bucket].param_data
+                    this.append(main)
+                    that.append(data.view(-1)[world.start:world.end])
+        if this:
+            _multi_tensor_copy(this, that)
 
     for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        if isinstance(part, Float16OptimizerWithFloat16Params):  # not the distributed optimizer
-            part._vitgraph_flag = torch.zeros(1, dtype=torch.int, device="cuda")
-            part._copy_main_params_to_model_params = lambda part=part: copy_main_to_model(part)
+        if isinstance(part, DistributedOptimizer):
+            if (part.is_stub_optimizer or part.ddp_config.use_megatron_fsdp
+                    or part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                    or part._get_fp8_params_and_shard_fp32_from_fp8()[0]):
+                continue
+            part._copy_main_params_to_model_params = lambda part=part: distributed_copy(part)
+        elif isinstance(part, Float16OptimizerWithFloat16Params):
+            part._copy_main_params_to_model_params = lambda part=part: float16_copy(part)
 
 
 def build_optimizer(chunks: list, cfg: Config, cuda: bool):
