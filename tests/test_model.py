@@ -95,3 +95,23 @@ def test_interleaved_chunks_tell_float16module_their_virtual_stage(dist1):
     assert hidden.dtype == torch.bfloat16
     last.set_input_tensor(hidden)
     assert last(None).dtype == torch.float32  # logits back in fp32 from the last stage
+
+
+def test_mlp_adds_fc1_bias_with_the_activation(dist1):
+    """fc1 hands its bias to the activation (one fused kernel on CUDA, torch here): the MLP is
+    still LN -> fc1 -> GELU -> fc2, fc2's bias returned for the layer's bias-dropout-add."""
+    import torch.nn.functional as F
+    from vitgraph.models.specs import BiasActMLP
+    model, _ = build(dist1)
+    mlp = model.decoder.layers[0].mlp
+    assert isinstance(mlp, BiasActMLP)
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    with torch.no_grad():
+        fc1.bias.normal_()
+        fc2.bias.normal_()
+        x = torch.randn(5, 2, fc1.weight.shape[1])
+        out, bias = mlp(x)
+        h = F.layer_norm(x, x.shape[-1:], fc1.layer_norm_weight, fc1.layer_norm_bias, fc1.eps)
+        ref = F.gelu(h @ fc1.weight.T + fc1.bias) @ fc2.weight.T
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bias, fc2.bias)
