@@ -76,11 +76,8 @@ def init_distributed(cfg: Config) -> Dist:
     if not cuda:
         cpu_shims.install()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    if "RANK" not in os.environ or os.environ.get("VITGRAPH_WORLD_OF_ONE") == "1":
-        # plain `vitgraph train`: a world of one. A port picked afresh at every start (a
-        # process may start several, as bench.py does): one kept from an earlier start may
-        # have been taken by another process since
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", VITGRAPH_WORLD_OF_ONE="1",
+    if "RANK" not in os.environ:  # plain `vitgraph train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
