@@ -55,6 +55,28 @@ def test_short_captions_keep_size_colour_and_shape(small):
         assert len(cap.split()) >= 4  # a <size> <colour...> <shape>
 
 
+def test_caption_dropout_variants_only_for_training(small):
+    """data.caption_dropout: each training caption carries its variants without size and/or
+    colour (bitmask order); the held-out split has none and keeps its captions as written."""
+    _, val_plain = build_datasets(shapes_cfg(num_train=1200, num_val=300, captions="short"),
+                                  seed=0)
+    train, val = build_datasets(shapes_cfg(num_train=1200, num_val=300, captions="short",
+                                           caption_dropout=0.5), seed=0)
+    assert val.caption_variants is None and val.captions == val_plain.captions
+    assert len(train.caption_variants) == len(train)
+    for cap, var, label in zip(train.captions, train.caption_variants, train.labels.tolist()):
+        name = train.classes[label]
+        size, colour = cap.split()[1], " ".join(cap.split()[2:-1])
+        assert var == (cap, f"a {colour} {name}", f"a {size} {name}", f"a {name}"), var
+    assert shapes.caption_variants("a large dark blue L-shape on a white background, upright") == (
+        "a large dark blue L-shape on a white background, upright",
+        "a dark blue L-shape on a white background, upright",
+        "a large L-shape on a white background, upright",
+        "a L-shape on a white background, upright")
+    with pytest.raises(ValueError, match="not a shapes caption"):
+        shapes.caption_variants("a photo of a star")
+
+
 def test_shapes_deterministic_and_worker_independent():
     # CHUNK-sized pieces are seeded separately; 1200 images = 3 chunks across 2 workers
     a = shapes.generate(1200, split_seed=7, workers=1)

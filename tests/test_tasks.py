@@ -52,12 +52,74 @@ def test_contrastive_training_end_to_end(tmp_path, env, loss):
     (["task.templates=[a photo]"], "task.templates", "{}"),
     (["task.tokenizer=bpe"], "task.tokenizer", "49408 ids"),
     (["task.tokenizer=words"], "task.tokenizer", "auto, byte, bpe"),
+    (["data.caption_dropout=1.5"], "data.caption_dropout", "[0, 1]"),
+    (["data.caption_dropout_start=1"], "data.caption_dropout_start", "[0, 1)"),
+    (["data.caption_dropout=0.5", "data.kind=imagefolder"], "data.caption_dropout",
+     "only the shapes data"),
 ])
 def test_contrastive_config_errors_exit_2(monkeypatch, capsys, overrides, key, why):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", str(CLIP), "train.micro_batch_size=32", *overrides]) == 2
     err = capsys.readouterr().err
     assert key in err and why in err, err
+
+
+def test_caption_dropout_draw_is_seeded_and_eval_untouched():
+    """One variant per pair, from (seed, step) over the global batch: the same step draws the
+    same, another step or seed another, and a slice of the global batch (a rank's or a
+    microbatch's share) gets the same draws as in the whole; size and colour each drop with
+    probability p; eval (step None) and p=0 keep the caption as written."""
+    from vitgraph.tasks.contrastive import draw_caption_variants
+    b = 4000
+    tokens = torch.arange(4).view(1, 4, 1).expand(b, 4, 3).contiguous()  # variant i -> id i
+    a = draw_caption_variants(tokens, 0.5, seed=1, step=7)
+    assert a.shape == (b, 3) and torch.equal(a[:, 0], a[:, 2])
+    assert torch.equal(a, draw_caption_variants(tokens, 0.5, seed=1, step=7))
+    for seed, step in [(2, 7), (1, 8)]:
+        assert not torch.equal(a, draw_caption_variants(tokens, 0.5, seed, step))
+    halves = [draw_caption_variants(tokens[:b // 2], 0.5, 1, 7, o, b) for o in (0, b // 2)]
+    assert torch.equal(torch.cat(halves), a)
+    freq = torch.bincount(a[:, 0], minlength=4).float() / b
+    assert torch.allclose(freq, torch.full((4,), 0.25), atol=0.03), freq
+    q = draw_caption_variants(tokens, 0.2, seed=1, step=7)[:, 0]
+    size_dropped, colour_dropped = (q & 1).float().mean(), (q >> 1).float().mean()
+    assert abs(size_dropped - 0.2) < 0.03 and abs(colour_dropped - 0.2) < 0.03
+    assert (draw_caption_variants(tokens, 0.5, 1, None) == 0).all()
+    assert (draw_caption_variants(tokens, 0.0, 1, 7) == 0).all()
+
+
+def test_caption_dropout_in_the_task_starts_late_and_spares_held_out():
+    """The task tokenizes every variant of the training captions and none of the held-out
+    ones; before data.caption_dropout_start of the run (and for eval) a pair keeps its
+    caption as written, after it the variants are drawn."""
+    import types
+
+    from vitgraph.config import load_config
+    from vitgraph.data import ImageDataset
+    from vitgraph.data.shapes import caption_variants
+    from vitgraph.tasks.contrastive import ContrastiveTask
+    cfg = load_config(CLIP, ["data.caption_dropout=0.5", "data.caption_dropout_start=0.6",
+                             "train.steps=100"])
+    cfg.train.global_batch_size = 64
+    task = ContrastiveTask(cfg, types.SimpleNamespace(dp_rank=0, dp=1, device="cpu"))
+    task.total_steps = 100
+    caps = ["a large white star", "a small dark blue L-shape"] * 32
+    images = torch.zeros(64, 32, 32, 3, dtype=torch.uint8)
+    labels = torch.zeros(64, dtype=torch.long)
+    train = ImageDataset(images, labels, ["star"], caps,
+                         caption_variants=[caption_variants(c) for c in caps])
+    val = ImageDataset(images, labels, ["star"], caps)
+    task.attach(train, val)
+    assert train.tokens.shape == (64, 4, 32) and val.tokens.shape == (64, 32)
+    assert torch.equal(train.tokens[:, 0], val.tokens)
+    assert [task.caption_dropout(k) for k in [(59, 0), (60, 0), None]] == [0.0, 0.5, 0.0]
+    texts = lambda toks: [task.tokenizer.decode(t) for t in toks]  # noqa: E731
+    as_written = [c.lower() for c in caps]
+    assert texts(task.prepare(train.fields(slice(0, 64)), (59, 0), "cpu", True)[1]) == as_written
+    assert texts(task.prepare(train.fields(slice(0, 64)), None, "cpu", True)[1]) == as_written
+    assert texts(task.prepare(val.fields(slice(0, 64)), None, "cpu", True)[1]) == as_written
+    late = texts(task.prepare(train.fields(slice(0, 64)), (60, 0), "cpu", True)[1])
+    assert "a star" in late and "a l-shape" in late and late != as_written
 
 
 def test_contrastive_needs_captions(tmp_path, capsys):
@@ -69,6 +131,7 @@ def test_contrastive_needs_captions(tmp_path, capsys):
             for i in range(4):
                 Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(tmp_path / split / c / f"{i}.png")
     code = main(["train", str(CLIP), "data.kind=imagefolder", f"data.path={tmp_path}",
+                 "data.caption_dropout=0",  # the shapes-only option of the config
                  f"run.dir={tmp_path / 'run'}", "train.global_batch_size=8",
                  "train.micro_batch_size=8"])
     assert code == 2

@@ -29,8 +29,12 @@ class ImageDataset:
     labels: torch.Tensor  # int64 [N]
     classes: list[str]
     captions: list[str] | None = None
-    # token ids of the captions, int64 [N, context] (set by the contrastive task)
+    # token ids of the captions, int64 [N, context] (set by the contrastive task); with
+    # caption_variants, [N, variants, context] and the task draws one variant per pair
     tokens: torch.Tensor | None = None
+    # shapes training split with data.caption_dropout > 0: each caption's variants without
+    # its size and/or colour words (vitgraph.data.shapes.caption_variants, bitmask-indexed)
+    caption_variants: list[tuple[str, ...]] | None = None
 
     def __post_init__(self):
         if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[-1] != 3:
@@ -41,6 +45,9 @@ class ImageDataset:
                              f"{self.labels.dtype} {tuple(self.labels.shape)}")
         if self.captions is not None and len(self.captions) != len(self):
             raise ValueError(f"{len(self.captions)} captions for {len(self)} images")
+        if self.caption_variants is not None and len(self.caption_variants) != len(self):
+            raise ValueError(f"{len(self.caption_variants)} caption variants for "
+                             f"{len(self)} images")
 
     def __len__(self) -> int:
         return int(self.images.shape[0])

@@ -375,6 +375,26 @@ def short_caption(caption: str) -> str:
     return caption.split(" on a ", 1)[0]
 
 
+_SIZE_WORDS = ("small", "medium", "large")
+# longest first: "dark blue" before "blue"
+_COLOUR_NAMES = sorted((name for name, _ in _PALETTE), key=len, reverse=True)
+
+
+def caption_variants(caption: str) -> tuple[str, str, str, str]:
+    """A caption with its size word and/or its shape's colour left out, indexed by a bitmask
+    (1: no size, 2: no colour): ("a large white star ...", "a white star ...",
+    "a large star ...", "a star ..."). The rest (background, place, rotation) stays. The
+    article stays "a" ("a orange star"), as the captions and the zero-shot prompts write it."""
+    if not caption.startswith("a "):
+        raise ValueError(f"not a shapes caption: {caption!r}")
+    size, _, rest = caption[2:].partition(" ")
+    colour = next((c for c in _COLOUR_NAMES if rest.startswith(c + " ")), None)
+    if size not in _SIZE_WORDS or colour is None:
+        raise ValueError(f"not a shapes caption: {caption!r}")
+    shape = rest[len(colour) + 1:]
+    return (caption, f"a {colour} {shape}", f"a {size} {shape}", f"a {shape}")
+
+
 def build_shapes(data_cfg, seed: int):
     """(train, held-out) ImageDatasets of the shapes task: ``data_cfg.seed``'s data, or run
     seed ``seed``'s when that is None."""
@@ -397,7 +417,11 @@ def build_shapes(data_cfg, seed: int):
             getattr(data_cfg, "cache_max_mb", 1024))
         if getattr(data_cfg, "captions", "full") == "short":
             captions = [short_caption(c) for c in captions]
+        variants = None
+        if split == "train" and getattr(data_cfg, "caption_dropout", 0.0) > 0:
+            variants = [caption_variants(c) for c in captions]  # the task draws among them
         out.append(ImageDataset(torch.from_numpy(np.ascontiguousarray(images)),
                                 torch.from_numpy(labels.astype(np.int64)),
-                                CLASSES[:data_cfg.num_classes], captions))
+                                CLASSES[:data_cfg.num_classes], captions,
+                                caption_variants=variants))
     return out[0], out[1]

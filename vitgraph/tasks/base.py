@@ -34,6 +34,7 @@ class Task:
     def __init__(self, cfg: Config, d: Dist):
         self.cfg, self.d = cfg, d
         self.num_classes = 0
+        self.total_steps: int | None = None  # the run's length, set by the trainer
 
     def attach(self, train_set, val_set) -> None:
         self.num_classes = self.cfg.model.num_classes or len(train_set.classes)

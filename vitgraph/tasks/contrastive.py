@@ -1,7 +1,9 @@
 """Image-text contrastive training (CLIP / SigLIP) with zero-shot and retrieval evaluation.
 
 * Data: every image's caption, tokenized once (byte-level, vitgraph.text) into the dataset's
-  ``tokens``; microbatches carry them. A dataset without captions is a data error.
+  ``tokens``; microbatches carry them. A dataset without captions is a data error. With
+  ``data.caption_dropout`` (shapes) the training set carries every variant of each caption
+  (without size and/or colour) and ``prepare`` draws one per pair and step.
 * Model: an image-text pair from the registry (vitgraph.models.clip), on one pipeline stage.
 * Loss: InfoNCE (``clip``) or the sigmoid loss with its bias (``siglip``), negatives from every
   data-parallel rank of the microbatch (vitgraph.tasks.contrastive_loss). The logged top-1 is
@@ -13,6 +15,7 @@
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -34,6 +37,30 @@ from vitgraph.text import make_tokenizer
 def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
     """Training FLOPs of one sample through a tower, T * (6N + 12 L d T) (DESIGN.md)."""
     return tokens * (6 * n_params + 12 * layers * width * tokens)
+
+
+def draw_caption_variants(tokens: torch.Tensor, p: float, seed: int, step: int | None,
+                          offset: int = 0, global_batch: int | None = None) -> torch.Tensor:
+    """One caption per pair from ``tokens`` [b, variants, s] (bitmask-indexed as
+    vitgraph.data.shapes.caption_variants: 1 drops the size, 2 the colour): each bit set with
+    probability ``p``, independently. The draws are made for the whole global batch of
+    ``global_batch`` pairs of ``step`` from (seed, step), and these pairs are its
+    ``offset``-th on: the same whatever the data-parallel layout, and whenever the step is
+    run (resumed runs included). ``step`` None (eval): the captions as written."""
+    b, n = tokens.shape[:2]
+    if step is None or p <= 0:
+        idx = np.zeros(b, np.int64)
+    else:
+        if n < 4:
+            raise ValueError(f"caption dropout needs 4 variants per caption, got {n}")
+        g = global_batch or offset + b
+        if offset + b > g:
+            raise ValueError(f"pairs {offset}..{offset + b} outside a global batch of {g}")
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, 4, int(step)])
+        drop = (rng.random((2, g)) < p)[:, offset:offset + b]
+        idx = drop[0].astype(np.int64) + 2 * drop[1].astype(np.int64)
+    idx = torch.from_numpy(idx).to(tokens.device)
+    return tokens[torch.arange(b, device=tokens.device), idx]
 
 
 class ContrastiveTask(Task):
@@ -62,7 +89,11 @@ class ContrastiveTask(Task):
                 raise DataError(f"data.kind={self.cfg.data.kind}: the {name} images have no "
                                 "captions; task.kind=contrastive needs image-text pairs (the "
                                 "shapes data or WebDataset jpg+txt shards)")
-            if ds.tokens is None:
+            if ds.tokens is None and ds.caption_variants is not None:
+                n = len(ds.caption_variants[0])
+                ds.tokens = torch.stack([self.tokenizer([v[i] for v in ds.caption_variants])
+                                         for i in range(n)], dim=1)  # [N, variants, s]
+            elif ds.tokens is None:
                 ds.tokens = self.tokenizer(ds.captions)
         a = self.cfg.data.augment
         if a.enabled:  # crops, flips, RandAugment, erasing; no label mixing (validated)
@@ -96,8 +127,21 @@ class ContrastiveTask(Task):
                 f"{m.visual.seq_len} image tokens, {self.context_length} text positions, "
                 f"{self.flops_per_sample / 1e9:.2f} GFLOP/pair (train)")
 
+    def caption_dropout(self, key) -> float:
+        """data.caption_dropout at training step ``key[0]`` (0-based): 0 before
+        data.caption_dropout_start of the run's steps, and for eval (key None)."""
+        d = self.cfg.data
+        start = int(d.caption_dropout_start * (self.total_steps or 0))
+        return d.caption_dropout if key is not None and key[0] >= start else 0.0
+
     def prepare(self, raw, key, device, first_stage):
         images, labels, tokens = raw
+        if tokens.ndim == 3:  # data.caption_dropout: one variant per pair
+            t = self.cfg.train
+            per_rank = t.global_batch_size // self.d.dp  # this rank's share of the step
+            offset = (self.d.dp_rank * per_rank + key[1] * len(tokens)) if key else 0
+            tokens = draw_caption_variants(tokens, self.caption_dropout(key), t.seed,
+                                           key[0] if key else None, offset, t.global_batch_size)
         x, _ = prepare_batch(self.augment, images, labels, key, self.image_size, device,
                              torch.float32, first_stage)
         return (x, tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))

@@ -147,6 +147,7 @@ class Trainer:
         if cfg.data.prefetch:
             self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
+        self.task.total_steps = self.total_steps  # for schedules of the task's own
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
         log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
