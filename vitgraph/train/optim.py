@@ -183,7 +183,8 @@ class SyncFreeStep:
 
     megatron's own step reads the gradient norm on the host (clipping, and vitgraph's skip of
     non-finite steps); here the norm is reduced over megatron's grad-stats group and the fused
-    AdamW kernel clips, dividing each gradient by a device factor (its ``grad_scale``). A non-finite norm sets ``found_inf`` and the fused kernel
+    AdamW kernel clips, dividing each gradient by a device factor (its ``grad_scale``). A
+    non-finite norm sets ``found_inf`` and the fused kernel
     leaves weights, moments and step counts as they were; the LR schedule still advances by
     one (the host cannot know). Uses megatron's pieces for the rest: ``prepare_grads`` (main
     gradients), ``get_main_grads_for_grad_norm`` (each shared gradient counted once) and
