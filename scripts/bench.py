@@ -82,7 +82,10 @@ def _kernel_report(prof, steps: int, wall: float) -> None:
     between the step and the matmul ceiling. Idle is wall time the GPU had nothing to run."""
     import re
     from torch.autograd import DeviceType
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    # user annotations (an optimizer's record_function) land on the GPU timeline as ranges
+    # over kernels already counted: left out
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
     print(f"profile: {steps} steps, {wall / steps * 1e3:.2f} ms/step wall, GPU busy "
           f"{busy / steps * 1e3:.2f} ms/step ({100 * busy / wall:.0f}%)", flush=True)

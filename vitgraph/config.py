@@ -166,6 +166,9 @@ class ParallelConfig:
     # The CPU path (gloo, fp32 torch AdamW) has no distributed optimizer and ignores this.
     distributed_optimizer: bool = True
     overlap_grad_reduce: bool = True  # GPU: reduce gradient buckets during the backward pass
+    # GPU: gradients kept, accumulated over microbatches and reduced across ranks in fp32
+    # (megatron's accumulate_allreduce_grads_in_fp32). false: in bf16, as Megatron-LM's default
+    grad_reduce_in_fp32: bool = True
     overlap_param_gather: bool = False  # GPU, distributed optimizer: gather params in forward
     # interleaved pipelining (vpp > 1): post stage-to-stage sends and receives one by one and
     # overlap them with compute (megatron's overlap_p2p_comm). Off: batched exchanges (two

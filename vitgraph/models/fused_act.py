@@ -62,10 +62,26 @@ if triton is not None:
         return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du
 
     @triton.jit
+    def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS_FIRST: tl.constexpr):
+        # a 1-D grid over (row block, column block); COLS_FIRST: neighbouring programs take
+        # neighbouring column blocks of the same rows
+        pid = tl.program_id(0)
+        if COLS_FIRST:
+            nc = tl.cdiv(N, BLOCK_N)
+            pr = pid // nc
+            pc = pid % nc
+        else:
+            nr = tl.cdiv(M, BLOCK_M)
+            pr = pid % nr
+            pc = pid // nr
+        return pr, pc
+
+    @triton.jit
     def _forward(x_ptr, b_ptr, y_ptr, M, N, KIND: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS_FIRST: tl.constexpr):
+        pr, pc = _tile(M, N, BLOCK_M, BLOCK_N, COLS_FIRST)
+        rows = pr * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pc * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -74,15 +90,17 @@ if triton is not None:
 
     @triton.jit
     def _backward(x_ptr, b_ptr, dy_ptr, dx_ptr, db_part_ptr, M, N, KIND: tl.constexpr,
-                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  COLS_FIRST: tl.constexpr):
         # each program takes ROWS rows of one column block and writes their bias gradient
-        # (fp32) to row program_id(0) of db_part; the sum over those rows is the caller's
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # (fp32) to its row of db_part; the sum over those rows is the caller's
+        pr, pc = _tile(M, N, ROWS, BLOCK_N, COLS_FIRST)
+        cols = pc * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for r in tl.static_range(0, ROWS, BLOCK_M):
-            rows = tl.program_id(0) * ROWS + r + tl.arange(0, BLOCK_M)
+            rows = pr * ROWS + r + tl.arange(0, BLOCK_M)
             mask = (rows[:, None] < M) & cmask[None, :]
             offs = rows[:, None].to(tl.int64) * N + cols[None, :]
             z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + b[None, :]
@@ -90,19 +108,19 @@ if triton is not None:
             dz = dy * _act_grad(z, KIND)
             tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=mask)
             acc += tl.sum(tl.where(mask, dz, 0.0), axis=0)
-        tl.store(db_part_ptr + tl.program_id(0) * N + cols, acc, mask=cmask)
+        tl.store(db_part_ptr + pr * N + cols, acc, mask=cmask)
 
 
 # tile sizes, fixed rather than autotuned so that the bias gradient's summation order (and
 # so its bits) is the same in every run; chosen from a sweep on an H200 (ViT-L's MLP)
-FORWARD = dict(BLOCK_M=8, BLOCK_N=512, num_warps=8)
-BACKWARD = dict(ROWS=32, BLOCK_M=32, BLOCK_N=64, num_warps=4)
+FORWARD = dict(BLOCK_M=8, BLOCK_N=512, num_warps=8, COLS_FIRST=False)
+BACKWARD = dict(ROWS=32, BLOCK_M=32, BLOCK_N=64, num_warps=4, COLS_FIRST=False)
 
 
 def launch_forward(x, bias, y, kind: int, cfg: dict = FORWARD) -> None:
     n = x.shape[-1]
     m = x.numel() // n
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _forward[grid](x, bias, y, m, n, KIND=kind, **cfg)
 
 
@@ -112,8 +130,8 @@ def launch_backward(x, bias, dy, dx, kind: int, cfg: dict = BACKWARD) -> torch.T
     m = x.numel() // n
     parts = triton.cdiv(m, cfg["ROWS"])
     db_part = torch.empty((parts, n), dtype=torch.float32, device=x.device)
-    _backward[(parts, triton.cdiv(n, cfg["BLOCK_N"]))](x, bias, dy, dx, db_part, m, n,
-                                                       KIND=kind, **cfg)
+    _backward[(parts * triton.cdiv(n, cfg["BLOCK_N"]),)](x, bias, dy, dx, db_part, m, n,
+                                                         KIND=kind, **cfg)
     return db_part.sum(0)
 
 

@@ -284,7 +284,7 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
         from megatron.core.transformer.module import Float16Module
         p = cfg.parallel
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
+            grad_reduce_in_fp32=p.grad_reduce_in_fp32, overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.distributed_optimizer,
             overlap_param_gather=p.overlap_param_gather and p.distributed_optimizer,
             check_for_nan_in_grad=False)
