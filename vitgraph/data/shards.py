@@ -15,6 +15,7 @@ of ``data.shuffle_shards`` shards: a step reads from a few shards, not from all 
 """
 from __future__ import annotations
 
+import functools
 import glob
 import io
 import json
@@ -216,11 +217,40 @@ def _nvjpeg_available() -> bool:
     return True
 
 
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    """PIL's (and torch's antialiased) bicubic kernel, a = -0.5."""
+    a, x = -0.5, np.abs(x)
+    return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                    np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+
+
+@functools.lru_cache(maxsize=64)
+def resize_matrix(n_in: int, n_out: int, start: int, length: int) -> np.ndarray:
+    """Rows ``start:start + length`` of the [n_out, n_in] matrix of an antialiased bicubic
+    resize along one axis, as PIL and ``F.interpolate(antialias=True)`` compute it: a
+    downscale widens the kernel by the scale, and each output's weights sum to one."""
+    scale = n_in / n_out
+    support = 2.0 * max(scale, 1.0)
+    m = np.zeros((length, n_in), dtype=np.float64)
+    for r, i in enumerate(range(start, start + length)):
+        center = (i + 0.5) * scale
+        lo = max(int(center - support + 0.5), 0)
+        hi = min(int(center + support + 0.5), n_in)
+        w = _bicubic((np.arange(lo, hi) - center + 0.5) / max(scale, 1.0))
+        m[r, lo:hi] = w / w.sum()
+    return m.astype(np.float32)
+
+
 def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor:
     """Encoded microbatch -> uint8 [b, s, s, 3] on ``device``: batched nvJPEG decode on CUDA
     (``torchvision.io.decode_jpeg(device=...)``), then per-image shorter-side resize and center
-    crop. ``decoder`` (list of byte tensors -> list of uint8 [3, H, W]) replaces nvJPEG in tests."""
-    import torch.nn.functional as F
+    crop. ``decoder`` (list of byte tensors -> list of uint8 [3, H, W]) replaces nvJPEG in tests.
+
+    The resize is separable, so each size's images go through two batched matmuls with the
+    weights of the rows and columns the crop keeps (``resize_matrix``): on an H200 torch's
+    antialiased bicubic kernel took 2.5 ms of GPU time per 256 photos of 500x375, the two
+    matmuls far less. On CUDA they run in fp16 (pixels 0..255 are exact, fp32 accumulation):
+    a pixel may differ by one level from the fp32 result where it rounds at .5."""
     if decoder is None:
         from torchvision.io import ImageReadMode, decode_jpeg
         imgs = decode_jpeg(batch.data, device=device, mode=ImageReadMode.RGB)
@@ -228,8 +258,7 @@ def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
         imgs = decoder(batch.data)
     s = batch.size
     out = torch.empty((len(imgs), s, s, 3), dtype=torch.uint8, device=device)
-    # images of one size (most of a photo dataset) are resized and cropped as one batch: a
-    # few kernels per size instead of a handful per image
+    # images of one size (most of a photo dataset) are resized and cropped as one batch
     by_size: dict[tuple, list[int]] = {}
     for i, im in enumerate(imgs):
         by_size.setdefault(tuple(im.shape[-2:]), []).append(i)
@@ -237,12 +266,20 @@ def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
         ims = torch.stack([imgs[i].to(device) for i in idx])
         scale = s / min(h, w)
         nh, nw = max(s, round(h * scale)), max(s, round(w * scale))
-        if (nh, nw) != (h, w):
-            ims = F.interpolate(ims.float(), size=(nh, nw), mode="bicubic",
-                                align_corners=False, antialias=True)
-            ims = ims.round_().clamp_(0, 255).to(torch.uint8)
         top, left = (nh - s) // 2, (nw - s) // 2
-        crop = ims[:, :, top:top + s, left:left + s].permute(0, 2, 3, 1)
+        if (nh, nw) != (h, w):
+            dt = torch.float16 if ims.is_cuda else torch.float32
+            rows = torch.from_numpy(resize_matrix(h, nh, top, s)).to(ims.device, dt)
+            cols = torch.from_numpy(resize_matrix(w, nw, left, s)).to(ims.device, dt).t()
+            x = ims.to(dt)
+            # the cheaper order of the two products
+            if s * h * w + s * w * s <= h * w * s + s * h * s:
+                x = torch.matmul(torch.matmul(rows, x), cols)
+            else:
+                x = torch.matmul(rows, torch.matmul(x, cols))
+            crop = x.float().round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+        else:
+            crop = ims[:, :, top:top + s, left:left + s].permute(0, 2, 3, 1)
         if len(idx) == len(imgs):
             out.copy_(crop)
         else:
