@@ -141,3 +141,28 @@ def test_two_interleaved_stages_never_batch_their_p2p():
     assert p2p_mode(4, 2, overlap=False)["batch_p2p_comm"] is True
     assert p2p_mode(4, 2, overlap=True) == dict(batch_p2p_comm=False, overlap_p2p_comm=True,
                                                 batch_p2p_sync=False)
+
+
+def test_a_new_trainer_in_one_process_destroys_the_old_process_groups():
+    """megatron-core only forgets its groups; vitgraph destroys them when a second Trainer
+    sets up model parallelism in the same process, so groups (and NCCL communicators on a GPU)
+    do not pile up over tests and benchmarks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.distributed import distributed_c10d as c10d
+    from vitgraph.config import load_config
+    from vitgraph.parallel.setup import init_distributed, shutdown
+    was_up = dist.is_initialized()
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
+    try:
+        init_distributed(cfg)
+        old = ps.get_data_parallel_group()
+        counts = [len(c10d._world.pg_map)]
+        for _ in range(3):
+            init_distributed(cfg)
+            counts.append(len(c10d._world.pg_map))
+        assert old not in c10d._world.pg_map and ps.get_data_parallel_group() in c10d._world.pg_map
+        assert len(set(counts)) == 1, counts
+    finally:
+        if not was_up:
+            shutdown()

@@ -97,7 +97,7 @@ def init_distributed(cfg: Config) -> Dist:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 timeout=timeout, device_id=device if cuda else None)
     if ps.model_parallel_is_initialized():  # a second Trainer in one process (benchmarks)
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
                                  pipeline_model_parallel_size=p.pp,
                                  virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
@@ -138,6 +138,36 @@ def seed_everything(seed: int, d: Dist, graphs: bool = False, te: bool = False) 
         tensor_parallel.model_parallel_cuda_manual_seed(
             seed + 100 * d.pp_rank, te_rng_tracker=graphs and te, use_cudagraphable_rng=graphs,
             force_reset_rng=True)
+
+
+def destroy_model_parallel() -> None:
+    """megatron-core's ``destroy_model_parallel``, after destroying its process groups: 0.16.1
+    only drops its references, so every Trainer made in one process (tests, benchmarks) left
+    its groups and their communicators alive. On an H200, a pytest process that had made about
+    20 trainers failed to make the next one's NCCL groups ("Failed to CUDA calloc async")."""
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def collect(value):
+        if isinstance(value, dist.ProcessGroup):
+            groups[id(value)] = value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+
+    for name, value in vars(ps).items():
+        if name.isupper() and "GROUP" in name:
+            collect(value)
+    ps.destroy_model_parallel()  # destroys its gloo groups itself
+    for group in groups.values():
+        if group is dist.group.WORLD:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # "Invalid process group": one megatron already destroyed
+            pass
 
 
 def shutdown(failed: bool = False) -> None:
