@@ -97,6 +97,14 @@ def test_interleaved_chunks_tell_float16module_their_virtual_stage(dist1):
     assert last(None).dtype == torch.float32  # logits back in fp32 from the last stage
 
 
+def test_building_the_model_logs_no_unknown_mlp_warning(dist1, caplog):
+    """megatron warns once per layer about an MLP spec it does not know; BiasActMLP is an MLP."""
+    import logging
+    with caplog.at_level(logging.WARNING):
+        build(dist1)
+    assert not [r for r in caplog.records if "Unknown MLP" in r.getMessage()]
+
+
 def test_mlp_adds_fc1_bias_with_the_activation(dist1):
     """fc1 hands its bias to the activation (one fused kernel on CUDA, torch here): the MLP is
     still LN -> fc1 -> GELU -> fc2, fc2's bias returned for the layer's bias-dropout-add."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,19 @@ class SDPAttention(MegatronModule):
             is_causal=causal, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class _QuietUnknownMLP(logging.Filter):
+    """megatron-core 0.16.1's TransformerLayer warns once per layer that it does not know an
+    MLP spec whose module is not ``MLP`` itself (and names the spec's type, not the module's).
+    ``BiasActMLP`` is an ``MLP``, which takes its tensor-parallel group from megatron's state
+    when none is passed: the warning says nothing here, 24 times for a ViT-L."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietUnknownMLP())
 
 
 class BiasActMLP(MLP):
