@@ -40,6 +40,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -103,8 +104,65 @@ def _kernel_report(prof, steps: int, wall: float) -> None:
               f"{e.self_device_time_total / max(e.count, 1):8.1f}  {e.key[:150]}", flush=True)
 
 
-def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
-    """Seconds per step (median of 3 timed blocks), peak allocated and peak reserved GiB.
+SW_POWER_CAP = 0x4  # nvidia-smi's clocks_throttle_reasons bit: clocks held down by the power cap
+
+
+class GpuSampler:
+    """nvidia-smi every 200 ms while the timed steps run: mean board power, median SM clock and
+    the share of samples held at the power cap. An H200 at micro-batch 256 runs at its 700 W
+    cap (clocks ~1.7 GHz, not 1.98), so two systems' speeds depend on their clocks as well as
+    their kernels: every row says what its clocks were. Nothing without nvidia-smi."""
+
+    def __init__(self, device: int | None = None):
+        self.proc, self.lines = None, []
+        exe = shutil.which("nvidia-smi")
+        if exe is None or not torch.cuda.is_available():
+            return
+        uuid = str(torch.cuda.get_device_properties(
+            torch.cuda.current_device() if device is None else device).uuid)
+        self.cmd = [exe, "-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}",
+                    "--query-gpu=power.draw,clocks.sm,clocks_throttle_reasons.active",
+                    "--format=csv,noheader,nounits", "-lms", "200"]
+
+    def __enter__(self):
+        if getattr(self, "cmd", None):
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                         text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.lines = out.splitlines()
+        return False
+
+    def summary(self) -> dict:
+        return summarize_gpu_samples(self.lines)
+
+
+def summarize_gpu_samples(lines: list[str]) -> dict:
+    """'612.3, 1710, 0x0000000000000004' lines -> mean power (W), median SM clock (MHz), share
+    of samples at the power cap; {} when there are none (or nvidia-smi printed no numbers)."""
+    samples = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+        except (ValueError, IndexError):
+            continue
+    if not samples:
+        return {}
+    clocks = sorted(c for _, c, _ in samples)
+    return {"gpu_power_w": round(sum(p for p, _, _ in samples) / len(samples), 1),
+            "gpu_sm_clock_mhz": clocks[len(clocks) // 2],
+            "gpu_power_capped": round(sum(bool(r & SW_POWER_CAP) for *_, r in samples) / len(samples), 2),
+            "gpu_samples": len(samples)}
+
+
+def _measure(step, warmup: int, iters: int) -> dict:
+    """Seconds per step (median of 3 timed blocks), peak allocated and peak reserved GiB, and
+    the GPU's power and clocks over the timed blocks (``GpuSampler``).
 
     Reserved memory is the fair comparison with graphs: a graph's private pool keeps its
     blocks reserved between replays while the allocator counts them as free."""
@@ -136,14 +194,15 @@ def _measure(step, warmup: int, iters: int) -> tuple[float, float, float]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # graphs were captured in the warm-up: their pools count
     blocks = []
-    for _ in range(3):
-        t0 = _sync_time()
-        for _ in range(iters):
-            step()
-        blocks.append((_sync_time() - t0) / iters)
+    with GpuSampler() as gpu:
+        for _ in range(3):
+            t0 = _sync_time()
+            for _ in range(iters):
+                step()
+            blocks.append((_sync_time() - t0) / iters)
     blocks.sort()
-    return (blocks[1], torch.cuda.max_memory_allocated() / 2**30,
-            torch.cuda.max_memory_reserved() / 2**30)
+    return {"sec": blocks[1], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, **gpu.summary()}
 
 
 # ---------------------------------------------------------------- vitgraph
@@ -198,7 +257,8 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
         state["step"] += 1
 
     try:
-        sec, mem, reserved = _measure(step, warmup, iters)
+        m = _measure(step, warmup, iters)
+        sec = m.pop("sec")
         extra = {}
         if trainer.graphs is not None:
             extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
@@ -209,8 +269,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
         layout = layout.replace("tp1", "").replace("pp1", "") or "dp1"
         if p.sequence_parallel:
             layout += "sp"
-        return {"images_per_s": global_batch / sec, "peak_mem_gib": mem,
-                "peak_reserved_gib": reserved, "flops_per_image": flops, "layout": layout,
+        return {"images_per_s": global_batch / sec, **m, "flops_per_image": flops, "layout": layout,
                 "global_batch": global_batch,
                 "distributed_optimizer": p.distributed_optimizer, **extra}
     finally:
@@ -257,8 +316,8 @@ def bench_open_clip(model: str, mb: int, compile_mode: str | None, warmup: int,
         with torch.no_grad():
             net.logit_scale.clamp_(0, 4.6052)
 
-    sec, mem, reserved = _measure(step, warmup, iters)
-    return {"images_per_s": mb / sec, "peak_mem_gib": mem, "peak_reserved_gib": reserved}
+    m = _measure(step, warmup, iters)
+    return {"images_per_s": mb / m.pop("sec"), **m}
 
 
 # ---------------------------------------------------------------- timm peers
@@ -289,8 +348,8 @@ def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    sec, mem, reserved = _measure(step, warmup, iters)
-    return {"images_per_s": mb / sec, "peak_mem_gib": mem, "peak_reserved_gib": reserved}
+    m = _measure(step, warmup, iters)
+    return {"images_per_s": mb / m.pop("sec"), **m}
 
 
 # ---------------------------------------------------------------- driver
@@ -429,6 +488,8 @@ def main() -> int:
                   f"{res.get('images_per_s', float('nan')):9.1f} img/s "
                   f"peak {res.get('peak_mem_gib', float('nan')):6.1f} GiB allocated "
                   f"{res.get('peak_reserved_gib', float('nan')):6.1f} GiB reserved  ({row['wall_s']}s)"
+                  + (f"  {res['gpu_power_w']:.0f} W, SM {res['gpu_sm_clock_mhz']:.0f} MHz, "
+                     f"{res['gpu_power_capped']:.0%} at the power cap" if "gpu_power_w" in res else "")
                   + (f"  ERROR {err}" if err else ""), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))

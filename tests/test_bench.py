@@ -1,0 +1,28 @@
+"""scripts/bench.py's pieces that need no GPU."""
+import importlib.util
+
+from conftest import ROOT
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_samples_give_power_clock_and_the_share_at_the_power_cap():
+    bench = load_bench()
+    lines = ["650.5, 1710, 0x0000000000000004", "[N/A], 1980, 0x0000000000000000",
+             "630.5, 1680, 0x0000000000000004", "100.0, 1980, 0x0000000000000000", "garbage"]
+    s = bench.summarize_gpu_samples(lines)
+    assert s == {"gpu_power_w": 460.3, "gpu_sm_clock_mhz": 1710.0, "gpu_power_capped": 0.67,
+                 "gpu_samples": 3}
+    assert bench.summarize_gpu_samples([]) == {}
+
+
+def test_no_nvidia_smi_or_gpu_samples_nothing():
+    bench = load_bench()
+    with bench.GpuSampler() as gpu:
+        pass
+    assert gpu.summary() == {}
