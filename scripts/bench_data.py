@@ -13,8 +13,9 @@ quality 90; ImageNet's mean is ~110 KB), written as JPEG shards by ``scripts/mak
 into a temporary folder under ``--tmp`` (removed at the end). No download, no dataset.
 
 Then, for each ``--decode`` mode (default: ``cuda`` (nvJPEG through
-``torchvision.io.decode_jpeg(device="cuda")``) when CUDA and torchvision are there, and
-``cpu`` (PIL in ``--workers`` threads) always), each timed step reads one batch of ``--batch``
+``torchvision.io.decode_jpeg(device="cuda")``) and ``cpu+cuda`` (PIL in ``--workers``
+threads, the resize on the GPU) when CUDA and torchvision are there, and ``cpu`` (PIL in
+``--workers`` threads) always), each timed step reads one batch of ``--batch``
 images through ``MicrobatchLoader`` (shard-window shuffle, as training does), decodes them,
 resizes their shorter side to ``--image-size`` and center-crops (as ``data.kind=webdataset``
 does), turns them into normalized fp32 inputs on the device and synchronizes. Nothing is
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     from vitgraph.data.shards import resolve_decode
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     modes = (args.decode.split(",") if args.decode else
-             (["cuda", "cpu"] if resolve_decode("auto") == "cuda" else ["cpu"]))
+             (["cuda", "cpu+cuda", "cpu"] if resolve_decode("auto") == "cuda" else ["cpu"]))
     t_start = time.perf_counter()
     tmp = None
     if args.shards:

@@ -614,7 +614,7 @@ def test_webdataset_png_input_and_errors(tmp_path):
 def test_device_decode_path_with_a_stand_in_decoder(shards):
     """``data.decode=cuda`` hands microbatches over encoded; the device path (decode, resize,
     crop, stack) gives the CPU path's pixels up to resampling (nvJPEG itself is GPU-only)."""
-    from vitgraph.data.shards import decode_on_device
+    from vitgraph.data.shards import finish_on_device
     _, out = shards
     cpu, _ = build_datasets(wds_cfg(out), seed=0)
     enc, _ = build_datasets(wds_cfg(out, decode="cpu"), seed=0)
@@ -627,7 +627,7 @@ def test_device_decode_path_with_a_stand_in_decoder(shards):
         return [torch.from_numpy(np.asarray(Image.open(io.BytesIO(bytes(d.numpy()))).convert("RGB"))
                                  ).permute(2, 0, 1) for d in data]
 
-    got = decode_on_device(batch, "cpu", decoder=pil_decode)
+    got = finish_on_device(batch, "cpu", decoder=pil_decode)
     want = cpu.images[torch.tensor([3, 1, 7])]
     assert got.shape == want.shape and got.dtype == torch.uint8
     assert (got.float() - want.float()).abs().mean() < 2  # same size: no resize, same pixels
@@ -638,13 +638,13 @@ def test_device_decode_resizes_each_size_as_one_batch_with_the_per_image_result(
     in one batch per size, each as torch's antialiased interpolate would alone (the device
     path multiplies by per-axis weight matrices instead: a rare pixel rounds one level off)."""
     import torch.nn.functional as F
-    from vitgraph.data.shards import EncodedImages, decode_on_device
+    from vitgraph.data.shards import EncodedImages, finish_on_device
     g = torch.Generator().manual_seed(0)
     sizes = [(40, 30), (30, 40), (40, 30), (16, 16), (30, 40), (12, 50), (375, 500), (375, 500)]
     raw = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
     for s in (16, 224):  # down- and upscaling
         batch = EncodedImages([torch.zeros(1, dtype=torch.uint8)] * len(raw), s)
-        got = decode_on_device(batch, "cpu", decoder=lambda data: raw)
+        got = finish_on_device(batch, "cpu", decoder=lambda data: raw)
         assert got.shape == (len(raw), s, s, 3) and got.dtype == torch.uint8
         for im, out in zip(raw, got):
             h, w = im.shape[-2:]
@@ -751,13 +751,38 @@ def test_shapes_imagefolder_holds_the_shapes_pixels(tmp_path):
         assert np.array_equal(np.asarray(Image.open(path)), val.images[i].numpy())
 
 
-def test_training_from_shards_with_augmentation(shards, tmp_path, env):
+def test_cpu_decode_with_the_resize_on_the_device(shards):
+    """data.decode=cpu+cuda: the loader's threads decode at full size, the training device
+    resizes and crops (here the CPU): the device path's pixels for those decoded images, and
+    the CPU path's up to resampling."""
+    from vitgraph.data.loader import to_device_uint8
+    from vitgraph.data.shards import EncodedImages, RawImages, finish_on_device
+    _, out = shards
+    raw, _ = build_datasets(wds_cfg(out, decode="cpu+cuda"), seed=0)
+    cpu, _ = build_datasets(wds_cfg(out), seed=0)
+    idx = torch.tensor([3, 1, 7])
+    batch = raw.images[idx]
+    assert isinstance(batch, RawImages) and len(batch) == 3 and batch.size == 24
+    assert all(t.dtype == torch.uint8 and t.shape[-1] == 3 and min(t.shape[:2]) >= 24
+               for t in batch.data)
+    got = to_device_uint8(batch, "cpu")
+    same = finish_on_device(EncodedImages([torch.zeros(1, dtype=torch.uint8)] * 3, 24), "cpu",
+                            decoder=lambda _: [t.permute(2, 0, 1) for t in batch.data])
+    assert torch.equal(got, same)
+    want = cpu.images[idx]
+    assert got.shape == want.shape and (got.float() - want.float()).abs().mean() < 2
+    parts = batch.padded(1).split(2)  # an eval batch's fill and cut keep the kind
+    assert all(isinstance(p, RawImages) for p in parts) and [len(p) for p in parts] == [2, 2]
+
+
+@pytest.mark.parametrize("decode", ["cpu", "cpu+cuda"])
+def test_training_from_shards_with_augmentation(shards, tmp_path, env, decode):
     import json
     import subprocess
     from conftest import ROOT, tiny_overrides, vitgraph_cmd
     _, out = shards
     over = tiny_overrides(tmp_path / "run", steps=6, **{
-        "data.kind": "webdataset", "data.path": str(out), "data.render_size": 24,
+        "data.kind": "webdataset", "data.path": str(out), "data.render_size": 24, "data.decode": decode,
         "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_batch_size": 10,
         "data.augment.enabled": "true"})
     p = subprocess.run(vitgraph_cmd("train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"), *over),

@@ -97,7 +97,8 @@ class DataConfig:
     # held-out data always
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
-    # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
+    # torchvision, batched on the GPU), cpu+cuda (PIL in `workers` threads at full size, the
+    # resize on the training device), auto (cuda when CUDA and torchvision are there)
     decode: str = "cpu"
     # webdataset: shards are shuffled, and samples within windows of this many shards
     shuffle_shards: int = 4
@@ -249,7 +250,7 @@ CHOICES = {
     "model.pool": ("cls", "mean"),
     "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
     "data.kind": ("shapes", "imagefolder", "webdataset"),
-    "data.decode": ("cpu", "cuda", "auto"),
+    "data.decode": ("cpu", "cuda", "cpu+cuda", "auto"),
     "train.precision": ("auto", "bf16", "fp32", "fp8"),
     "train.fp8_recipe": ("current", "delayed", "mxfp8"),
     "task.kind": ("auto", "classification", "contrastive"),

@@ -85,26 +85,38 @@ def read_index(root: str, split: str) -> tuple[list[str], list[list[dict]], list
     return paths, [scan_shard(p) for p in paths], None
 
 
-def decode_image(data: bytes, size: int, where: str = "") -> np.ndarray:
-    """Encoded image -> RGB, shorter side resized to ``size``, center-cropped: uint8 [s, s, 3].
+def _open(data: bytes, size: int) -> Image.Image:
+    """The image as RGB; JPEGs decoded at a reduced DCT scale when that still covers ``size``
+    on the shorter side (PIL's draft mode: several times faster for large photos)."""
+    im = Image.open(io.BytesIO(data))
+    if im.format == "JPEG":
+        w, h = im.size
+        im.draft("RGB", (max(size, round(size * w / min(w, h))),
+                         max(size, round(size * h / min(w, h)))))
+    return im.convert("RGB")
 
-    JPEGs are decoded at a reduced DCT scale when that still covers ``size`` (PIL's draft
-    mode: several times faster for large photos)."""
+
+def decode_image(data: bytes, size: int, where: str = "") -> np.ndarray:
+    """Encoded image -> RGB, shorter side resized to ``size``, center-cropped: uint8 [s, s, 3]."""
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.format == "JPEG":
-                w, h = im.size
-                im.draft("RGB", (max(size, round(size * w / min(w, h))),
-                                 max(size, round(size * h / min(w, h)))))
-            return resize_crop(im.convert("RGB"), size)
+        return resize_crop(_open(data, size), size)
+    except Exception as e:
+        raise DataError(f"cannot decode image {where}: {e}") from None
+
+
+def decode_full(data: bytes, size: int, where: str = "") -> np.ndarray:
+    """Encoded image -> RGB uint8 [H, W, 3], not resized (``data.decode=cpu+cuda``: the device
+    resizes); the shorter side stays >= ``size``."""
+    try:
+        return np.asarray(_open(data, size), dtype=np.uint8)
     except Exception as e:
         raise DataError(f"cannot decode image {where}: {e}") from None
 
 
 @dataclass
-class EncodedImages:
-    """A microbatch still encoded (``data.decode=cuda``): decoded on the device in
-    ``to_model_input`` / ``BatchAugment``. ``data``: 1-D uint8 CPU tensors."""
+class PendingImages:
+    """A microbatch the device finishes: resized to ``size`` and center-cropped there
+    (``finish_on_device``), after a decode there for ``EncodedImages``."""
     data: list
     size: int
 
@@ -112,12 +124,22 @@ class EncodedImages:
         return len(self.data)
 
     # the two tensor methods an eval batch is cut into microbatches with
-    def split(self, m: int) -> list["EncodedImages"]:
-        return [EncodedImages(self.data[i:i + m], self.size) for i in range(0, len(self.data), m)]
+    def split(self, m: int) -> list["PendingImages"]:
+        return [type(self)(self.data[i:i + m], self.size) for i in range(0, len(self.data), m)]
 
-    def padded(self, n: int) -> "EncodedImages":
+    def padded(self, n: int) -> "PendingImages":
         """``n`` copies of the first image appended (the fill of a last, short batch)."""
-        return EncodedImages(self.data + self.data[:1] * n, self.size)
+        return type(self)(self.data + self.data[:1] * n, self.size)
+
+
+class EncodedImages(PendingImages):
+    """Still JPEG bytes (``data.decode=cuda``): ``data`` holds 1-D uint8 CPU tensors, decoded
+    by nvJPEG on the device."""
+
+
+class RawImages(PendingImages):
+    """Decoded on the CPU at full size (``data.decode=cpu+cuda``): ``data`` holds uint8
+    [H, W, 3] CPU tensors (pinned where there is CUDA), resized on the device."""
 
 
 class ShardImages:
@@ -148,6 +170,11 @@ class ShardImages:
             raise DataError(f"{self.paths[shard]}: truncated member at offset {offset}")
         return data
 
+    def _load_raw(self, i: int) -> torch.Tensor:
+        t = torch.from_numpy(decode_full(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
+                                                                  f"@{int(self.entries[i, 1])}"))
+        return t.pin_memory() if torch.cuda.is_available() else t
+
     def _load(self, i: int) -> np.ndarray:
         return decode_image(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
                                                      f"@{int(self.entries[i, 1])}")
@@ -161,6 +188,8 @@ class ShardImages:
             data = list(self._pool.map(self.read, idx))
             return EncodedImages([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data],
                                  self.size)
+        if self.decode == "cpu+cuda":
+            return RawImages(list(self._pool.map(self._load_raw, idx)), self.size)
         images = list(self._pool.map(self._load, idx))
         if not images:
             return torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
@@ -204,6 +233,9 @@ def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
 
 
 def resolve_decode(decode: str) -> str:
+    """cpu: decode and resize in the loader's threads; cuda: nvJPEG and the resize on the GPU;
+    cpu+cuda: decode in the loader's threads, resize on the training device; auto: cuda when
+    CUDA and torchvision are there, else cpu."""
     if decode == "auto":
         return "cuda" if torch.cuda.is_available() and _nvjpeg_available() else "cpu"
     return decode
@@ -247,21 +279,24 @@ def _device_matrix(n_in: int, n_out: int, start: int, length: int, device, dtype
     return torch.from_numpy(resize_matrix(n_in, n_out, start, length)).to(device, dtype)
 
 
-def decode_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor:
-    """Encoded microbatch -> uint8 [b, s, s, 3] on ``device``: batched nvJPEG decode on CUDA
-    (``torchvision.io.decode_jpeg(device=...)``), then per-image shorter-side resize and center
-    crop. ``decoder`` (list of byte tensors -> list of uint8 [3, H, W]) replaces nvJPEG in tests.
+def finish_on_device(batch: PendingImages, device, decoder=None) -> torch.Tensor:
+    """A pending microbatch -> uint8 [b, s, s, 3] on ``device``. ``EncodedImages``: batched
+    nvJPEG decode there (``torchvision.io.decode_jpeg(device=...)``; ``decoder``, list of byte
+    tensors -> list of uint8 [3, H, W], replaces it in tests). ``RawImages``: copied there.
+    Then each image's shorter side is resized to ``s`` and the center cropped.
 
     The resize is separable, so each size's images go through two batched matmuls with the
     weights of the rows and columns the crop keeps (``resize_matrix``): on an H200 torch's
     antialiased bicubic kernel took 2.5 ms of GPU time per 256 photos of 500x375, the two
     matmuls 0.7 ms. On CUDA they run in fp16 (pixels 0..255 are exact; the intermediate is
     rounded to fp16): at most one level from torch's fp32 result, on 4% of values there."""
-    if decoder is None:
+    if isinstance(batch, RawImages):
+        imgs = [t.to(device, non_blocking=True).permute(2, 0, 1) for t in batch.data]
+    elif decoder is not None:
+        imgs = decoder(batch.data)
+    else:
         from torchvision.io import ImageReadMode, decode_jpeg
         imgs = decode_jpeg(batch.data, device=device, mode=ImageReadMode.RGB)
-    else:
-        imgs = decoder(batch.data)
     s = batch.size
     out = torch.empty((len(imgs), s, s, 3), dtype=torch.uint8, device=device)
     # images of one size (most of a photo dataset) are resized and cropped as one batch
