@@ -13,9 +13,8 @@ quality 90; ImageNet's mean is ~110 KB), written as JPEG shards by ``scripts/mak
 into a temporary folder under ``--tmp`` (removed at the end). No download, no dataset.
 
 Then, for each ``--decode`` mode (default: ``cuda`` (nvJPEG through
-``torchvision.io.decode_jpeg(device="cuda")``) and ``cpu+cuda`` (PIL in ``--workers``
-threads, the resize on the GPU) when CUDA and torchvision are there, and ``cpu`` (PIL in
-``--workers`` threads) always), each timed step reads one batch of ``--batch``
+``torchvision.io.decode_jpeg(device="cuda")``) when CUDA and torchvision are there, and
+``cpu`` (PIL in ``--workers`` threads) always), each timed step reads one batch of ``--batch``
 images through ``MicrobatchLoader`` (shard-window shuffle, as training does), decodes them,
 resizes their shorter side to ``--image-size`` and center-crops (as ``data.kind=webdataset``
 does), turns them into normalized fp32 inputs on the device and synchronizes. Nothing is
@@ -68,6 +67,7 @@ def measure(root: str, decode: str, args, device: torch.device) -> dict:
     from vitgraph.data.augment import AugmentConfig, BatchAugment
     cfg = types.SimpleNamespace(kind="webdataset", path=root, render_size=args.image_size,
                                 workers=args.workers, decode=decode, shuffle_shards=4,
+                                cpu_decode_share=args.cpu_decode_share if decode == "cuda" else 0.0,
                                 num_train=0, num_val=0, num_classes=0, cache_dir=None)
     train, _ = build_datasets(cfg, seed=0)
     loader = MicrobatchLoader(train, args.batch, 1, 0, 1, seed=0)
@@ -95,6 +95,7 @@ def measure(root: str, decode: str, args, device: torch.device) -> dict:
     ips = args.steps * args.batch / sum(times)
     times.sort()
     return {"system": "vitgraph-data", "decode": decode, "device": str(device),
+            "cpu_decode_share": cfg.cpu_decode_share,
             "workers": args.workers, "augment": args.augment, "batch": args.batch,
             "image_size": args.image_size, "images_per_s": round(ips, 1), "steps": args.steps,
             "step_ms_median": round(1e3 * times[len(times) // 2], 2),
@@ -138,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--augment", action="store_true", help="the DeiT recipe on the device")
+    ap.add_argument("--cpu-decode-share", type=float, default=0.0,
+                    help="cuda decode: this share of each batch decoded by PIL in the threads")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", help="write the result JSON here")
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
     from vitgraph.data.shards import resolve_decode
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     modes = (args.decode.split(",") if args.decode else
-             (["cuda", "cpu+cuda", "cpu"] if resolve_decode("auto") == "cuda" else ["cpu"]))
+             (["cuda", "cpu"] if resolve_decode("auto") == "cuda" else ["cpu"]))
     t_start = time.perf_counter()
     tmp = None
     if args.shards:

@@ -751,38 +751,48 @@ def test_shapes_imagefolder_holds_the_shapes_pixels(tmp_path):
         assert np.array_equal(np.asarray(Image.open(path)), val.images[i].numpy())
 
 
-def test_cpu_decode_with_the_resize_on_the_device(shards):
-    """data.decode=cpu+cuda: the loader's threads decode at full size, the training device
-    resizes and crops (here the CPU): the device path's pixels for those decoded images, and
-    the CPU path's up to resampling."""
-    from vitgraph.data.loader import to_device_uint8
-    from vitgraph.data.shards import EncodedImages, RawImages, finish_on_device
+def test_a_share_of_the_device_decode_done_by_the_loader_threads(shards):
+    """data.cpu_decode_share: the last share of each microbatch is decoded in the loader's
+    threads at full size, the rest left as JPEG bytes; the device resizes and crops all of them
+    alike (here the CPU stands in for the device, and PIL for nvJPEG)."""
+    import io
+    from vitgraph.data.shards import finish_on_device, read_shard_split
+
+    def pil_decode(data):
+        return [torch.from_numpy(np.asarray(Image.open(io.BytesIO(bytes(d.numpy()))).convert("RGB"))
+                                 ).permute(2, 0, 1) for d in data]
+
     _, out = shards
-    raw, _ = build_datasets(wds_cfg(out, decode="cpu+cuda"), seed=0)
-    cpu, _ = build_datasets(wds_cfg(out), seed=0)
-    idx = torch.tensor([3, 1, 7])
-    batch = raw.images[idx]
-    assert isinstance(batch, RawImages) and len(batch) == 3 and batch.size == 24
+    idx = torch.tensor([3, 1, 7, 0])
+    half = read_shard_split(str(out), "train", 24, 2, "cuda", cpu_share=0.5).images[idx]
+    none = read_shard_split(str(out), "train", 24, 2, "cuda").images[idx]
+    assert [t.dim() for t in half.data] == [1, 1, 3, 3] and [t.dim() for t in none.data] == [1] * 4
     assert all(t.dtype == torch.uint8 and t.shape[-1] == 3 and min(t.shape[:2]) >= 24
-               for t in batch.data)
-    got = to_device_uint8(batch, "cpu")
-    same = finish_on_device(EncodedImages([torch.zeros(1, dtype=torch.uint8)] * 3, 24), "cpu",
-                            decoder=lambda _: [t.permute(2, 0, 1) for t in batch.data])
-    assert torch.equal(got, same)
-    want = cpu.images[idx]
-    assert got.shape == want.shape and (got.float() - want.float()).abs().mean() < 2
-    parts = batch.padded(1).split(2)  # an eval batch's fill and cut keep the kind
-    assert all(isinstance(p, RawImages) for p in parts) and [len(p) for p in parts] == [2, 2]
+               for t in half.data[2:])
+    got = finish_on_device(half, "cpu", decoder=pil_decode)
+    assert torch.equal(got, finish_on_device(none, "cpu", decoder=pil_decode))
+    cpu, _ = build_datasets(wds_cfg(out), seed=0)
+    assert (got.float() - cpu.images[idx].float()).abs().mean() < 2
+    parts = half.padded(1).split(3)  # an eval batch's fill and cut keep each image's form
+    assert [[t.dim() for t in p.data] for p in parts] == [[1, 1, 3], [3, 1]]
 
 
-@pytest.mark.parametrize("decode", ["cpu", "cpu+cuda"])
-def test_training_from_shards_with_augmentation(shards, tmp_path, env, decode):
+def test_cpu_decode_share_is_checked():
+    from conftest import ROOT
+    from vitgraph.config import ConfigError, load_config
+    for over in (["data.cpu_decode_share=1.5"], ["data.cpu_decode_share=0.5"],
+                 ["data.kind=webdataset", "data.path=/x", "data.cpu_decode_share=0.5"]):
+        with pytest.raises(ConfigError, match="data.cpu_decode_share"):
+            load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", over)
+
+
+def test_training_from_shards_with_augmentation(shards, tmp_path, env):
     import json
     import subprocess
     from conftest import ROOT, tiny_overrides, vitgraph_cmd
     _, out = shards
     over = tiny_overrides(tmp_path / "run", steps=6, **{
-        "data.kind": "webdataset", "data.path": str(out), "data.render_size": 24, "data.decode": decode,
+        "data.kind": "webdataset", "data.path": str(out), "data.render_size": 24,
         "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_batch_size": 10,
         "data.augment.enabled": "true"})
     p = subprocess.run(vitgraph_cmd("train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"), *over),

@@ -97,9 +97,12 @@ class DataConfig:
     # held-out data always
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
-    # torchvision, batched on the GPU), cpu+cuda (PIL in `workers` threads at full size, the
-    # resize on the training device), auto (cuda when CUDA and torchvision are there)
+    # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
     decode: str = "cpu"
+    # decode=cuda: this share of each microbatch is decoded in the loader's threads instead
+    # (PIL, at full size), the rest by nvJPEG; the GPU resizes all of them. nvJPEG beside a
+    # training step costs the step GPU time; CPU threads cost none
+    cpu_decode_share: float = 0.0
     # webdataset: shards are shuffled, and samples within windows of this many shards
     shuffle_shards: int = 4
     # make the next step's microbatches while this one trains, in a thread: shard reads and
@@ -250,7 +253,7 @@ CHOICES = {
     "model.pool": ("cls", "mean"),
     "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
     "data.kind": ("shapes", "imagefolder", "webdataset"),
-    "data.decode": ("cpu", "cuda", "cpu+cuda", "auto"),
+    "data.decode": ("cpu", "cuda", "auto"),
     "train.precision": ("auto", "bf16", "fp32", "fp8"),
     "train.fp8_recipe": ("current", "delayed", "mxfp8"),
     "task.kind": ("auto", "classification", "contrastive"),
@@ -427,6 +430,12 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     except ValueError as e:
         raise ConfigError(f"{src}: {e}") from None
 
+    if not 0.0 <= cfg.data.cpu_decode_share <= 1.0:
+        err("data.cpu_decode_share", cfg.data.cpu_decode_share, "must be in [0, 1]")
+    if cfg.data.cpu_decode_share and (cfg.data.kind != "webdataset" or cfg.data.decode == "cpu"):
+        err("data.cpu_decode_share", cfg.data.cpu_decode_share,
+            f"splits the decoding of data.decode=cuda shards (data.kind={cfg.data.kind}, "
+            f"data.decode={cfg.data.decode})")
     if not 0.0 <= cfg.data.caption_dropout <= 1.0:
         err("data.caption_dropout", cfg.data.caption_dropout, "must be in [0, 1]")
     if not 0.0 <= cfg.data.caption_dropout_start < 1.0:

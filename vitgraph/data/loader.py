@@ -201,13 +201,13 @@ def iterate_eval(dataset: ImageDataset, batch_size: int, dp_rank: int = 0,
 
 def to_device_uint8(images, device) -> torch.Tensor:
     """A microbatch's images as uint8 [b,H,W,3] on ``device``: moved (uint8: 4x fewer bytes
-    than float), or finished there (decoded and resized: ``data.decode=cuda`` / ``cpu+cuda``)."""
+    than float), or decoded and resized there (``data.decode=cuda``)."""
     if isinstance(images, torch.Tensor):
         return images.to(device, non_blocking=True)
-    from vitgraph.data.shards import PendingImages, finish_on_device
-    if isinstance(images, PendingImages):
+    from vitgraph.data.shards import EncodedImages, finish_on_device
+    if isinstance(images, EncodedImages):
         return finish_on_device(images, device)
-    raise TypeError(f"images must be a uint8 tensor or PendingImages, got {type(images).__name__}")
+    raise TypeError(f"images must be a uint8 tensor or EncodedImages, got {type(images).__name__}")
 
 
 def to_model_input(images_uint8: torch.Tensor, image_size: int, device, dtype) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """The next training step's microbatches, made while this step runs.
 
 ``Prefetcher`` wraps a ``MicrobatchLoader``. A background thread takes the step after next
-from it: shard reads and, with ``data.decode=cpu`` or ``cpu+cuda``, JPEG decoding in the
-loader's threads, all CPU work. On a GPU the next step is put on the device from a side CUDA
-stream (pinned host-to-device copies; nvJPEG decode for ``data.decode=cuda``; the resize for
-``cuda`` and ``cpu+cuda``) when the trainer calls
+from it: shard reads and, with ``data.decode=cpu`` (or ``data.cpu_decode_share``), JPEG
+decoding in the loader's threads, all CPU work. On a GPU the next step is put on the device
+from a side CUDA stream (pinned host-to-device copies; nvJPEG decode and the resize for
+``data.decode=cuda``) when the trainer calls
 ``stage_next``: once a step's forward and backward are queued and before the host waits for
 them, so that this work runs beside the step's kernels rather than between steps. The CUDA
 calls are made by the training thread itself, never by the background one: Transformer
@@ -71,8 +71,8 @@ class Prefetcher:
         return batches, state, ready
 
     def _to_device(self, field):
-        from vitgraph.data.shards import PendingImages, finish_on_device
-        if isinstance(field, PendingImages):
+        from vitgraph.data.shards import EncodedImages, finish_on_device
+        if isinstance(field, EncodedImages):
             return finish_on_device(field, self.device)
         if torch.is_tensor(field) and field.device.type == "cpu":
             return field.pin_memory().to(self.device, non_blocking=True)

@@ -105,7 +105,7 @@ def decode_image(data: bytes, size: int, where: str = "") -> np.ndarray:
 
 
 def decode_full(data: bytes, size: int, where: str = "") -> np.ndarray:
-    """Encoded image -> RGB uint8 [H, W, 3], not resized (``data.decode=cpu+cuda``: the device
+    """Encoded image -> RGB uint8 [H, W, 3], not resized (``data.cpu_decode_share``: the device
     resizes); the shorter side stays >= ``size``."""
     try:
         return np.asarray(_open(data, size), dtype=np.uint8)
@@ -114,9 +114,11 @@ def decode_full(data: bytes, size: int, where: str = "") -> np.ndarray:
 
 
 @dataclass
-class PendingImages:
-    """A microbatch the device finishes: resized to ``size`` and center-cropped there
-    (``finish_on_device``), after a decode there for ``EncodedImages``."""
+class EncodedImages:
+    """A microbatch the device finishes (``data.decode=cuda``): decoded there by nvJPEG, then
+    resized to ``size`` and center-cropped (``finish_on_device``). ``data``: CPU uint8
+    tensors, each 1-D (JPEG bytes) or, for the share decoded in the loader's threads
+    (``data.cpu_decode_share``), [H, W, 3] at full size (pinned where there is CUDA)."""
     data: list
     size: int
 
@@ -124,22 +126,12 @@ class PendingImages:
         return len(self.data)
 
     # the two tensor methods an eval batch is cut into microbatches with
-    def split(self, m: int) -> list["PendingImages"]:
-        return [type(self)(self.data[i:i + m], self.size) for i in range(0, len(self.data), m)]
+    def split(self, m: int) -> list["EncodedImages"]:
+        return [EncodedImages(self.data[i:i + m], self.size) for i in range(0, len(self.data), m)]
 
-    def padded(self, n: int) -> "PendingImages":
+    def padded(self, n: int) -> "EncodedImages":
         """``n`` copies of the first image appended (the fill of a last, short batch)."""
-        return type(self)(self.data + self.data[:1] * n, self.size)
-
-
-class EncodedImages(PendingImages):
-    """Still JPEG bytes (``data.decode=cuda``): ``data`` holds 1-D uint8 CPU tensors, decoded
-    by nvJPEG on the device."""
-
-
-class RawImages(PendingImages):
-    """Decoded on the CPU at full size (``data.decode=cpu+cuda``): ``data`` holds uint8
-    [H, W, 3] CPU tensors (pinned where there is CUDA), resized on the device."""
+        return EncodedImages(self.data + self.data[:1] * n, self.size)
 
 
 class ShardImages:
@@ -151,8 +143,8 @@ class ShardImages:
     ndim = 4
 
     def __init__(self, paths: list[str], entries: list[tuple[int, int, int]], size: int,
-                 workers: int = 1, decode: str = "cpu"):
-        self.paths, self.size, self.decode = paths, size, decode
+                 workers: int = 1, decode: str = "cpu", cpu_share: float = 0.0):
+        self.paths, self.size, self.decode, self.cpu_share = paths, size, decode, cpu_share
         self.entries = np.asarray(entries, dtype=np.int64).reshape(-1, 3)  # shard, offset, size
         self.shard_ids = torch.from_numpy(self.entries[:, 0].copy())
         self.shape = (len(self.entries), size, size, 3)
@@ -185,11 +177,12 @@ class ShardImages:
         else:
             idx = torch.as_tensor(index).reshape(-1).tolist()
         if self.decode == "cuda":
-            data = list(self._pool.map(self.read, idx))
-            return EncodedImages([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data],
-                                 self.size)
-        if self.decode == "cpu+cuda":
-            return RawImages(list(self._pool.map(self._load_raw, idx)), self.size)
+            # the last share of the batch decoded here, the rest left to nvJPEG
+            n_cpu = round(self.cpu_share * len(idx))
+            first = len(idx) - n_cpu
+            data = list(self._pool.map(self._load_raw, idx[first:])) if n_cpu else []
+            return EncodedImages([torch.frombuffer(bytearray(d), dtype=torch.uint8)
+                                  for d in self._pool.map(self.read, idx[:first])] + data, self.size)
         images = list(self._pool.map(self._load, idx))
         if not images:
             return torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
@@ -197,7 +190,7 @@ class ShardImages:
 
 
 def read_shard_split(root: str, split: str, size: int, workers: int, decode: str,
-                     classes: list[str] | None = None) -> ImageDataset:
+                     classes: list[str] | None = None, cpu_share: float = 0.0) -> ImageDataset:
     paths, per_shard, index_classes = read_index(root, split)
     entries, labels, captions = [], [], []
     for s, samples in enumerate(per_shard):
@@ -212,7 +205,7 @@ def read_shard_split(root: str, split: str, size: int, workers: int, decode: str
     if classes is None:
         n = max(labels) + 1 if labels else 0
         classes = [str(i) for i in range(max(n, 1))]
-    images = ShardImages(paths, entries, size, workers, decode)
+    images = ShardImages(paths, entries, size, workers, decode, cpu_share)
     return ImageDataset(images, torch.tensor(labels, dtype=torch.int64), list(classes),  # type: ignore[arg-type]
                         captions if has_txt else None)
 
@@ -226,16 +219,15 @@ def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
     decode = resolve_decode(getattr(data_cfg, "decode", "cpu"))
     if decode == "cuda" and not torch.cuda.is_available():
         raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
-    train = read_shard_split(root, "train", data_cfg.render_size, data_cfg.workers, decode)
+    share = getattr(data_cfg, "cpu_decode_share", 0.0)
+    train = read_shard_split(root, "train", data_cfg.render_size, data_cfg.workers, decode,
+                             cpu_share=share)
     val = read_shard_split(root, "val", data_cfg.render_size, data_cfg.workers, decode,
-                           train.classes)
+                           train.classes, cpu_share=share)
     return train, val
 
 
 def resolve_decode(decode: str) -> str:
-    """cpu: decode and resize in the loader's threads; cuda: nvJPEG and the resize on the GPU;
-    cpu+cuda: decode in the loader's threads, resize on the training device; auto: cuda when
-    CUDA and torchvision are there, else cpu."""
     if decode == "auto":
         return "cuda" if torch.cuda.is_available() and _nvjpeg_available() else "cpu"
     return decode
@@ -279,24 +271,29 @@ def _device_matrix(n_in: int, n_out: int, start: int, length: int, device, dtype
     return torch.from_numpy(resize_matrix(n_in, n_out, start, length)).to(device, dtype)
 
 
-def finish_on_device(batch: PendingImages, device, decoder=None) -> torch.Tensor:
-    """A pending microbatch -> uint8 [b, s, s, 3] on ``device``. ``EncodedImages``: batched
-    nvJPEG decode there (``torchvision.io.decode_jpeg(device=...)``; ``decoder``, list of byte
-    tensors -> list of uint8 [3, H, W], replaces it in tests). ``RawImages``: copied there.
-    Then each image's shorter side is resized to ``s`` and the center cropped.
+def finish_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor:
+    """A microbatch -> uint8 [b, s, s, 3] on ``device``: its JPEGs decoded there in one nvJPEG
+    batch (``torchvision.io.decode_jpeg(device=...)``; ``decoder``, list of byte tensors ->
+    list of uint8 [3, H, W], replaces it in tests), the images decoded in the loader's threads
+    copied there; then each image's shorter side resized to ``s`` and the center cropped.
 
     The resize is separable, so each size's images go through two batched matmuls with the
     weights of the rows and columns the crop keeps (``resize_matrix``): on an H200 torch's
     antialiased bicubic kernel took 2.5 ms of GPU time per 256 photos of 500x375, the two
     matmuls 0.7 ms. On CUDA they run in fp16 (pixels 0..255 are exact; the intermediate is
     rounded to fp16): at most one level from torch's fp32 result, on 4% of values there."""
-    if isinstance(batch, RawImages):
-        imgs = [t.to(device, non_blocking=True).permute(2, 0, 1) for t in batch.data]
-    elif decoder is not None:
-        imgs = decoder(batch.data)
-    else:
-        from torchvision.io import ImageReadMode, decode_jpeg
-        imgs = decode_jpeg(batch.data, device=device, mode=ImageReadMode.RGB)
+    jpegs = [i for i, t in enumerate(batch.data) if t.dim() == 1]
+    imgs = [t.to(device, non_blocking=True).permute(2, 0, 1) if t.dim() == 3 else None
+            for t in batch.data]
+    if jpegs:
+        data = [batch.data[i] for i in jpegs]
+        if decoder is None:
+            from torchvision.io import ImageReadMode, decode_jpeg
+            decoded = decode_jpeg(data, device=device, mode=ImageReadMode.RGB)
+        else:
+            decoded = decoder(data)
+        for i, im in zip(jpegs, decoded):
+            imgs[i] = im
     s = batch.size
     out = torch.empty((len(imgs), s, s, 3), dtype=torch.uint8, device=device)
     # images of one size (most of a photo dataset) are resized and cropped as one batch

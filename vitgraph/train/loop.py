@@ -18,7 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
 from vitgraph.data.prefetch import Prefetcher
-from vitgraph.data.shards import PendingImages
+from vitgraph.data.shards import EncodedImages
 from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel.setup import Dist, init_distributed, parallelize, shutdown, use_bf16
@@ -91,7 +91,7 @@ def _split_padded(fields: tuple, k: int, multiple: int = 1, fill_label: int = -1
     m = -(-m // multiple) * multiple
     pad = m * k - len(labels)
     def fill(i, f):
-        if isinstance(f, PendingImages):  # data.decode=cuda / cpu+cuda: finished on the device
+        if isinstance(f, EncodedImages):  # data.decode=cuda: finished on the device
             return f.padded(pad)
         return torch.cat([f, f.new_full((pad,), fill_label) if i == 1
                           else f[:1].expand(pad, *f.shape[1:])])
