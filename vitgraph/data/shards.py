@@ -118,7 +118,7 @@ class EncodedImages:
     """A microbatch the device finishes (``data.decode=cuda``): decoded there by nvJPEG, then
     resized to ``size`` and center-cropped (``finish_on_device``). ``data``: CPU uint8
     tensors, each 1-D (JPEG bytes) or, for the share decoded in the loader's threads
-    (``data.cpu_decode_share``), [H, W, 3] at full size (pinned where there is CUDA)."""
+    (``data.cpu_decode_share``), [H, W, 3] at full size."""
     data: list
     size: int
 
@@ -163,9 +163,10 @@ class ShardImages:
         return data
 
     def _load_raw(self, i: int) -> torch.Tensor:
-        t = torch.from_numpy(decode_full(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
-                                                                  f"@{int(self.entries[i, 1])}"))
-        return t.pin_memory() if torch.cuda.is_available() else t
+        # not pinned here: a CUDA call from this thread could break a graph capture running on
+        # the training thread (global capture mode); finish_on_device pins on that thread
+        return torch.from_numpy(decode_full(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
+                                                                     f"@{int(self.entries[i, 1])}"))
 
     def _load(self, i: int) -> np.ndarray:
         return decode_image(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
@@ -283,8 +284,9 @@ def finish_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
     matmuls 0.7 ms. On CUDA they run in fp16 (pixels 0..255 are exact; the intermediate is
     rounded to fp16): at most one level from torch's fp32 result, on 4% of values there."""
     jpegs = [i for i, t in enumerate(batch.data) if t.dim() == 1]
-    imgs = [t.to(device, non_blocking=True).permute(2, 0, 1) if t.dim() == 3 else None
-            for t in batch.data]
+    cuda = torch.device(device).type == "cuda"
+    imgs = [(t.pin_memory() if cuda else t).to(device, non_blocking=True).permute(2, 0, 1)
+            if t.dim() == 3 else None for t in batch.data]
     if jpegs:
         data = [batch.data[i] for i in jpegs]
         if decoder is None:
