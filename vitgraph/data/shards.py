@@ -165,8 +165,8 @@ class ShardImages:
     def _load_raw(self, i: int) -> torch.Tensor:
         # not pinned here: a CUDA call from this thread could break a graph capture running on
         # the training thread (global capture mode); finish_on_device pins on that thread
-        return torch.from_numpy(decode_full(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
-                                                                     f"@{int(self.entries[i, 1])}"))
+        where = f"{self.paths[int(self.entries[i, 0])]} @{int(self.entries[i, 1])}"
+        return torch.from_numpy(decode_full(self.read(i), self.size, where))
 
     def _load(self, i: int) -> np.ndarray:
         return decode_image(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
