@@ -182,8 +182,9 @@ class ShardImages:
             n_cpu = round(self.cpu_share * len(idx))
             first = len(idx) - n_cpu
             data = list(self._pool.map(self._load_raw, idx[first:])) if n_cpu else []
-            return EncodedImages([torch.frombuffer(bytearray(d), dtype=torch.uint8)
-                                  for d in self._pool.map(self.read, idx[:first])] + data, self.size)
+            jpegs = [torch.frombuffer(bytearray(d), dtype=torch.uint8)
+                     for d in self._pool.map(self.read, idx[:first])]
+            return EncodedImages(jpegs + data, self.size)
         images = list(self._pool.map(self._load, idx))
         if not images:
             return torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)

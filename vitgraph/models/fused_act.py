@@ -107,8 +107,8 @@ if triton is not None:
 
     @triton.jit
     def _backward(x_ptr, b_ptr, dy_ptr, dx_ptr, db_part_ptr, M, N, KIND: tl.constexpr,
-                  I64: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  COLS_FIRST: tl.constexpr):
+                  I64: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, COLS_FIRST: tl.constexpr):
         # each program takes ROWS rows of one column block and writes their bias gradient
         # (fp32) to its row of db_part; the sum over those rows is the caller's
         pr, pc = _tile(M, N, ROWS, BLOCK_N, COLS_FIRST)
@@ -149,8 +149,9 @@ def launch_backward(x, bias, dy, dx, kind: int, cfg: dict = BACKWARD) -> torch.T
     m = x.numel() // n
     parts = triton.cdiv(m, cfg["ROWS"])
     db_part = torch.empty((parts, n), dtype=torch.float32, device=x.device)
-    _backward[(parts * triton.cdiv(n, cfg["BLOCK_N"]),)](x, bias, dy, dx, db_part, m, n, KIND=kind,
-                                                         I64=parts * cfg["ROWS"] * n >= 2**31, **cfg)
+    grid = (parts * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _backward[grid](x, bias, dy, dx, db_part, m, n, KIND=kind,
+                    I64=parts * cfg["ROWS"] * n >= 2**31, **cfg)
     return db_part.sum(0)
 
 
