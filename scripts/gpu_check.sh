@@ -9,7 +9,8 @@
 #   resume-optim (1 GPU): saved with the distributed optimizer, resumed without it.
 #   fp8-curve (1 GPU): ViT-B/16, 500 steps on the embedded data, bf16 against fp8 (current).
 #   data (1 GPU): scripts/bench_data.py, JPEG decode at 224 (nvJPEG and CPU threads).
-#   shards-train (1 GPU): ViT-B/16 trained from JPEG shards (nvJPEG) against in-memory data.
+#   shards-train (1 GPU): ViT-B/16 with step graphs trained from JPEG shards (nvJPEG, and with
+#   0.3 / 0.6 of each microbatch decoded by CPU threads) against in-memory data.
 #   clip (1 GPU): clip_vit_b16 eager vs graphs over 100 steps, and the CLIP bench rows (open_clip
 #   from a wheel: `python3 -m pip install -q --no-deps --target /tmp/site .te/wheels/*.whl`).
 #   profile (1 GPU): torch.profiler kernel table of the ViT-L/16 step-graph step, mb 8 and 256.
@@ -126,14 +127,18 @@ for s in "${steps[@]}"; do
         python scripts/make_shards.py /tmp/sf_b16 $sh --shard-size 512 >> "$out/shards_make.log" 2>&1
       fi
       timeout 120 python3 scripts/bench_data.py --shards $sh --out "$out/bench_data.json" 2>&1 | tee "$out/bench_data.log" | tail -4
+      # Step graphs (the host then has time to decode); data.cpu_decode_share moves that share
+      # of each microbatch's decoding from nvJPEG to the loader's 16 threads.
       w=(configs/vit-b16-imagefolder.yaml train.steps=160 train.global_batch_size=256 train.micro_batch_size=256
          train.log_every=40 train.eval_every=0 checkpoint.every=0 train.progress=false
-         data.augment.enabled=false data.workers=16 model.num_classes=10)
-      timeout 120 python -m vitgraph train "${w[@]}" data.kind=webdataset data.path=$sh data.decode=cuda \
-        run.dir=/tmp/b16_shards > "$out/train_b16_shards.log" 2>&1
+         data.augment.enabled=false data.workers=16 model.num_classes=10 graphs.enabled=true graphs.scope=step)
       timeout 120 python -m vitgraph train "${w[@]}" data.kind=shapes data.render_size=32 data.num_train=8192 \
         data.num_val=512 run.dir=/tmp/b16_memory > "$out/train_b16_memory.log" 2>&1
-      grep -H "img/s" "$out/train_b16_shards.log" "$out/train_b16_memory.log" | sed 's/| TFLOP.*//' ;;
+      for share in 0 0.3 0.6; do
+        timeout 120 python -m vitgraph train "${w[@]}" data.kind=webdataset data.path=$sh data.decode=cuda \
+          data.cpu_decode_share=$share run.dir=/tmp/b16_shards_$share > "$out/train_b16_shards_$share.log" 2>&1
+      done
+      grep -H "img/s" "$out"/train_b16_*.log | sed 's/| TFLOP.*//' ;;
     clip)
       # clip_vit_b16 (TE, bf16) on the captioned shapes: eager and layer graphs, 100 steps each,
       # then vitgraph's contrastive step against open_clip's (its wheel: see the header)
