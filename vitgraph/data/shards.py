@@ -88,12 +88,12 @@ def read_index(root: str, split: str) -> tuple[list[str], list[list[dict]], list
 def _open(data: bytes, size: int) -> Image.Image:
     """The image as RGB; JPEGs decoded at a reduced DCT scale when that still covers ``size``
     on the shorter side (PIL's draft mode: several times faster for large photos)."""
-    im = Image.open(io.BytesIO(data))
-    if im.format == "JPEG":
-        w, h = im.size
-        im.draft("RGB", (max(size, round(size * w / min(w, h))),
-                         max(size, round(size * h / min(w, h)))))
-    return im.convert("RGB")
+    with Image.open(io.BytesIO(data)) as im:
+        if im.format == "JPEG":
+            w, h = im.size
+            im.draft("RGB", (max(size, round(size * w / min(w, h))),
+                             max(size, round(size * h / min(w, h)))))
+        return im.convert("RGB")
 
 
 def decode_image(data: bytes, size: int, where: str = "") -> np.ndarray:
@@ -108,7 +108,7 @@ def decode_full(data: bytes, size: int, where: str = "") -> np.ndarray:
     """Encoded image -> RGB uint8 [H, W, 3], not resized (``data.cpu_decode_share``: the device
     resizes); the shorter side stays >= ``size``."""
     try:
-        return np.asarray(_open(data, size), dtype=np.uint8)
+        return np.array(_open(data, size), dtype=np.uint8)  # writable, as torch wants it
     except Exception as e:
         raise DataError(f"cannot decode image {where}: {e}") from None
 
