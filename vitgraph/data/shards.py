@@ -162,15 +162,16 @@ class ShardImages:
             raise DataError(f"{self.paths[shard]}: truncated member at offset {offset}")
         return data
 
+    def _where(self, i: int) -> str:
+        return f"{self.paths[int(self.entries[i, 0])]} @{int(self.entries[i, 1])}"
+
     def _load_raw(self, i: int) -> torch.Tensor:
         # not pinned here: a CUDA call from this thread could break a graph capture running on
         # the training thread (global capture mode); finish_on_device pins on that thread
-        where = f"{self.paths[int(self.entries[i, 0])]} @{int(self.entries[i, 1])}"
-        return torch.from_numpy(decode_full(self.read(i), self.size, where))
+        return torch.from_numpy(decode_full(self.read(i), self.size, self._where(i)))
 
     def _load(self, i: int) -> np.ndarray:
-        return decode_image(self.read(i), self.size, f"{self.paths[int(self.entries[i, 0])]} "
-                                                     f"@{int(self.entries[i, 1])}")
+        return decode_image(self.read(i), self.size, self._where(i))
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -250,7 +251,6 @@ def _bicubic(x: np.ndarray) -> np.ndarray:
                     np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
 
 
-@functools.lru_cache(maxsize=64)
 def resize_matrix(n_in: int, n_out: int, start: int, length: int) -> np.ndarray:
     """Rows ``start:start + length`` of the [n_out, n_in] matrix of an antialiased bicubic
     resize along one axis, as PIL and ``F.interpolate(antialias=True)`` compute it: a
@@ -269,7 +269,7 @@ def resize_matrix(n_in: int, n_out: int, start: int, length: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _device_matrix(n_in: int, n_out: int, start: int, length: int, device, dtype) -> torch.Tensor:
-    """``resize_matrix`` on the device, copied there once per image size."""
+    """``resize_matrix`` on the device, computed and copied there once per image size."""
     return torch.from_numpy(resize_matrix(n_in, n_out, start, length)).to(device, dtype)
 
 
@@ -318,7 +318,8 @@ def finish_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
                 x = torch.matmul(torch.matmul(rows, x), cols)
             else:
                 x = torch.matmul(rows, torch.matmul(x, cols))
-            crop = x.float().round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+            # fp16 holds every integer to 2048: rounding and clamping there gives fp32's bytes
+            crop = x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
         else:
             crop = ims[:, :, top:top + s, left:left + s].permute(0, 2, 3, 1)
         if len(idx) == len(imgs):
