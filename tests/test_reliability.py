@@ -289,6 +289,24 @@ def test_sigterm_saves_exits_75_and_the_resumed_run_continues_the_curve(tmp_path
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6), (s, got[s], want[s])
 
 
+def test_sigterm_to_the_process_group_still_saves(tmp_path, env):
+    """`timeout`, a terminal and SLURM signal a job's whole process group. megatron's
+    checkpoint writer keeps a helper process (a multiprocessing manager, started by the first
+    save) whose death made the preemption save fail with EOFError (H200, 2026-12-01)."""
+    run_dir = tmp_path / "run"
+    over = {"train.log_every": 1, "checkpoint.every": 3}  # the helper exists before the signal
+    cmd = vitgraph_cmd("train", DEFAULT, *tiny_overrides(run_dir, 40, **over))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    _wait_for_steps(proc, run_dir, 5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT, out[-2000:] + err[-2000:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.split("_")[1]) >= 5
+    assert checkpoint.verify(run_dir / "checkpoints" / latest) == []
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -99,6 +100,28 @@ def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
         if rng.get("layout") == _layout(d):  # another layout: keep this run's fresh RNG
             _set_rng_state(rng, d)
     return state
+
+
+def start_writer_helper(signals) -> None:
+    """Start megatron's checkpoint-writer helper process now, with ``signals`` ignored.
+
+    megatron-core 0.16.1 collects its writers' results through a multiprocessing manager, a
+    process spawned at the first save and kept. ``timeout``, a terminal and SLURM signal a
+    job's whole process group: a stop signal killed that helper, so the preemption save that
+    signal asked for failed (EOFError or BrokenPipeError; an H200 run, 2026-12-01). An ignored
+    signal stays ignored across the spawned process's exec; the handlers here are set after."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return
+    if getattr(fa, "_results_queue", True) is not None or not hasattr(fa, "_get_write_results_queue"):
+        return  # started already, or a megatron-core that does not keep one
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        fa._get_write_results_queue()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _barrier():

@@ -30,6 +30,8 @@ class StopRequests:
 
     def install(self) -> "StopRequests":
         """Before start-up, so that a signal during data loading is not lost either."""
+        from vitgraph.train.checkpoint import start_writer_helper
+        start_writer_helper(SIGNALS)
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
