@@ -777,6 +777,31 @@ def test_a_share_of_the_device_decode_done_by_the_loader_threads(shards):
     assert [[t.dim() for t in p.data] for p in parts] == [[1, 1, 3], [3, 1]]
 
 
+@pytest.mark.parametrize("size_wh, mode, fmt", [((500, 375), "RGB", "JPEG"),  # full size
+                                                ((1000, 800), "RGB", "JPEG"),  # reduced by 2
+                                                ((500, 375), "L", "JPEG"),     # gray
+                                                ((300, 260), "CMYK", "JPEG"),  # PIL's
+                                                ((300, 260), "RGB", "PNG")])   # PIL's
+def test_decode_full_gives_pil_draft_pixels_with_or_without_simplejpeg(size_wh, mode, fmt,
+                                                                       monkeypatch):
+    """The loader threads' decode (data.cpu_decode_share) goes through simplejpeg when it is
+    installed (no GIL held); the pixels and the reduced DCT scale are PIL's either way."""
+    import io
+    from vitgraph.data import shards
+    rng = np.random.default_rng(0)
+    w, h = size_wh
+    pixels = (rng.integers(0, 6, (h, w, 3)) * 40 + rng.integers(0, 20, (h, w, 3))).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    data = buf.getvalue()
+    fast = shards.decode_full(data, 224)
+    monkeypatch.setattr(shards, "simplejpeg", None)
+    pil = shards.decode_full(data, 224)
+    assert fast.dtype == np.uint8 and fast.flags.writeable and fast.shape == pil.shape
+    assert pil.shape[:2] == ((400, 500) if w == 1000 else (h, w))
+    assert np.array_equal(fast, pil)
+
+
 def test_cpu_decode_share_is_checked():
     from conftest import ROOT
     from vitgraph.config import ConfigError, load_config

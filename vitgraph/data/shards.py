@@ -28,6 +28,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+try:  # libjpeg-turbo without the GIL (see decode_full)
+    import simplejpeg
+except ImportError:  # PIL decodes everything then
+    simplejpeg = None
+
 from vitgraph.data.imagefolder import resize_crop
 from vitgraph.data.loader import DataError, ImageDataset
 
@@ -85,6 +90,32 @@ def read_index(root: str, split: str) -> tuple[list[str], list[list[dict]], list
     return paths, [scan_shard(p) for p in paths], None
 
 
+def _turbo_decode(data: bytes, size: int) -> np.ndarray | None:
+    """A JPEG as RGB uint8 [H, W, 3] at the largest power-of-two DCT reduction whose shorter
+    side still covers ``size`` (PIL's draft mode), through simplejpeg; None where PIL should
+    decode (no simplejpeg, not a JPEG, CMYK, damaged). For ``decode_full``: with a resize on
+    the CPU after it (``decode_image``) PIL's resize dominates, and on this 2-core machine
+    the swap measured no faster there, so that path stays PIL's.
+
+    simplejpeg wraps libjpeg-turbo, as PIL's decoder does (the same pixels), but holds no GIL
+    while decoding into the array. PIL holds it while making an array of a decoded image, so
+    the loader's threads barely scale: on the H200 host, 500x375 photos at full size, PIL gave
+    222 img/s on one thread and 948 on 16; simplejpeg 474 and 4,964
+    (benchmarks/h200-2026-12-01-s8/call2 and call5)."""
+    if simplejpeg is None or data[:2] != b"\xff\xd8":
+        return None
+    try:
+        h, w, space, _ = simplejpeg.decode_jpeg_header(data)
+        if space not in ("YCbCr", "Gray"):  # PIL's own conversion for the rare others (CMYK)
+            return None
+        f = 1
+        while f < 8 and min(h, w) // (2 * f) >= size:
+            f *= 2
+        return simplejpeg.decode_jpeg(data, "RGB", min_height=-(-h // f), min_width=-(-w // f))
+    except ValueError:
+        return None  # PIL decides, and names the error
+
+
 def _open(data: bytes, size: int) -> Image.Image:
     """The image as RGB; JPEGs decoded at a reduced DCT scale when that still covers ``size``
     on the shorter side (PIL's draft mode: several times faster for large photos)."""
@@ -106,7 +137,10 @@ def decode_image(data: bytes, size: int, where: str = "") -> np.ndarray:
 
 def decode_full(data: bytes, size: int, where: str = "") -> np.ndarray:
     """Encoded image -> RGB uint8 [H, W, 3], not resized (``data.cpu_decode_share``: the device
-    resizes); the shorter side stays >= ``size``."""
+    resizes); JPEGs at PIL's draft scale, through simplejpeg where it can (``_turbo_decode``)."""
+    fast = _turbo_decode(data, size)
+    if fast is not None:
+        return fast
     try:
         return np.array(_open(data, size), dtype=np.uint8)  # writable, as torch wants it
     except Exception as e:
@@ -166,8 +200,8 @@ class ShardImages:
         return f"{self.paths[int(self.entries[i, 0])]} @{int(self.entries[i, 1])}"
 
     def _load_raw(self, i: int) -> torch.Tensor:
-        # not pinned here: a CUDA call from this thread could break a graph capture running on
-        # the training thread (global capture mode); finish_on_device pins on that thread
+        # not pinned: pinning is a CUDA call, which from this thread could break a graph capture
+        # on the training thread (global capture mode); finish_on_device copies it as it is
         return torch.from_numpy(decode_full(self.read(i), self.size, self._where(i)))
 
     def _load(self, i: int) -> np.ndarray:
@@ -285,9 +319,10 @@ def finish_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
     matmuls 0.7 ms. On CUDA they run in fp16 (pixels 0..255 are exact; the intermediate is
     rounded to fp16): at most one level from torch's fp32 result, on 4% of values there."""
     jpegs = [i for i, t in enumerate(batch.data) if t.dim() == 1]
-    cuda = torch.device(device).type == "cuda"
-    imgs = [(t.pin_memory() if cuda else t).to(device, non_blocking=True).permute(2, 0, 1)
-            if t.dim() == 3 else None for t in batch.data]
+    # from pageable memory: the driver stages each copy (host-synchronous, a memcpy). Pinning
+    # each image first cost the training thread 57 ms per 77 photos on the H200 host
+    imgs = [t.to(device, non_blocking=True).permute(2, 0, 1) if t.dim() == 3 else None
+            for t in batch.data]
     if jpegs:
         data = [batch.data[i] for i in jpegs]
         if decoder is None:
