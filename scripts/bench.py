@@ -29,6 +29,13 @@ Systems:
                          rows are then its contrastive step (byte-level captions of 128 tokens
                          for the tiny pair, the tower's 77 here)
 
+Inputs: the peers and, by default, vitgraph train on random images already on the device.
+``--data DIR`` (JPEG shards, scripts/make_shards.py) runs every vitgraph row a second time
+with the training loop's own input pipeline: shards read and decoded by nvJPEG
+(``data.decode=cuda``, plus any --override such as data.cpu_decode_share), prefetched as
+`vitgraph train` does. Those rows say ``"input": "shards"`` and the ratio to the synthetic row
+is printed (issue 10: within 5%).
+
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
 """
@@ -213,7 +220,7 @@ def _world() -> int:
 
 def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warmup: int,
                    iters: int, num_classes: int, microbatches: int,
-                   overrides: list[str] = (), scope: str = "layer") -> dict:
+                   overrides: list[str] = (), scope: str = "layer", data: str | None = None) -> dict:
     from vitgraph.config import load_config
     from vitgraph.train.loop import Trainer
     prec = ["train.precision=bf16"] if precision == "bf16" else [
@@ -230,12 +237,18 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     if graphs:
         over += ["graphs.enabled=true", f"graphs.impl={graphs}", f"graphs.scope={scope}",
                  "graphs.warmup_steps=2"]
+    if data:  # the training loop's input pipeline from JPEG shards (nvJPEG, prefetched)
+        over += ["data.kind=webdataset", f"data.path={data}", "data.decode=cuda",
+                 "data.render_size=224",  # decoded straight to the model's size (all 224 here)
+                 f"data.workers={min(16, os.cpu_count() or 1)}", "data.prefetch=true"]
     over += [*overrides]
     probe = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
                         [*over, f"train.global_batch_size={mb * _world()}"])
     dp = _world() // (probe.parallel.tp * probe.parallel.pp)
     global_batch = mb * microbatches * dp
-    over += [f"train.global_batch_size={global_batch}", f"data.num_train={max(64, global_batch)}"]
+    over += [f"train.global_batch_size={global_batch}"]
+    if not data:
+        over += [f"data.num_train={max(64, global_batch)}"]
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
     trainer = Trainer(cfg)
     size = trainer.task.image_size
@@ -253,7 +266,10 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     def step():
         if trainer.graphs is not None:
             trainer.graphs.step_begin(state["step"])
-        trainer.train_step(batches)
+        if data:  # as the loop does: this step's microbatches, the next staged during it
+            trainer.train_step(trainer.loader.next_step(), getattr(trainer.loader, "stage_next", None))
+        else:
+            trainer.train_step(batches)
         state["step"] += 1
 
     try:
@@ -399,10 +415,11 @@ def _mcore_version():
         return None
 
 
-def _jobs(args) -> list[tuple[int, str, str]]:
-    """(micro-batch, system, precision) in run order. vitgraph systems run at every precision;
-    the bf16 timm peers once per micro-batch, timm+compile+float8 once per micro-batch when an
-    fp8 precision is asked for; peers only in a single-GPU run."""
+def _jobs(args) -> list[tuple[int, str, str, str]]:
+    """(micro-batch, system, precision, input) in run order. vitgraph systems run at every
+    precision, and with --data once more fed from the shards; the bf16 timm peers once per
+    micro-batch, timm+compile+float8 once per micro-batch when an fp8 precision is asked for;
+    peers only in a single-GPU run."""
     fp8 = [p for p in args.precisions if p != "bf16"]
     jobs = []
     for mb in args.micro_batches:
@@ -414,7 +431,9 @@ def _jobs(args) -> list[tuple[int, str, str]]:
                     first = precision == (fp8[0] if system.endswith("float8") else args.precisions[0])
                     if _world() > 1 or not first or (system.endswith("float8") and not fp8):
                         continue
-                jobs.append((mb, system, precision))
+                jobs.append((mb, system, precision, "synthetic"))
+                if getattr(args, "data", None) and system.startswith("vitgraph"):
+                    jobs.append((mb, system, precision, "shards"))
     return jobs
 
 
@@ -434,6 +453,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--override", nargs="*", default=[],
                     help="extra vitgraph config overrides (key=value) for the vitgraph systems")
+    ap.add_argument("--data", help="JPEG shards: each vitgraph row again, fed from them (see Inputs)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many steps per system")
     ap.add_argument("--kernels", type=int, default=0,
                     help="torch.profiler over this many steps per system: top kernels by GPU time")
@@ -444,13 +464,14 @@ def main() -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
     rows = []
-    for mb, system, precision in _jobs(args):
+    for mb, system, precision, inputs in _jobs(args):
         t0 = time.time()
         try:
             if system.startswith("vitgraph"):
                 impl, scope = VITGRAPH_SYSTEMS[system]
                 res = bench_vitgraph(args.model, mb, impl, precision, args.warmup, args.iters,
-                                     args.num_classes, args.microbatches, args.override, scope)
+                                     args.num_classes, args.microbatches, args.override, scope,
+                                     args.data if inputs == "shards" else None)
             elif system.startswith("open_clip"):
                 mode = {"open_clip": None, "open_clip+compile": "default"}[system]
                 res = bench_open_clip(args.model, mb, mode, args.warmup, args.iters)
@@ -475,7 +496,7 @@ def main() -> int:
                "precision": "fp8-tensorwise-torchao" if system.endswith("float8") else
                (precision if system.startswith("vitgraph") else "bf16"),
                "graphs": graphs, "gpus": _world(), "layout": "dp1",
-               "num_classes": args.num_classes, **res, "error": err,
+               "num_classes": args.num_classes, "input": inputs, **res, "error": err,
                "wall_s": round(time.time() - t0, 1)}
         fpi = res.get("flops_per_image")
         if fpi is None:
@@ -484,7 +505,8 @@ def main() -> int:
             row["mfu"] = res["images_per_s"] * fpi / PEAK_FLOPS / _world()
         rows.append(row)
         if rank0:
-            print(f"{system:28s} {row['precision']:12s} mb {mb:4d} {row['layout']:10s}: "
+            name = system + (" <- shards" if inputs == "shards" else "")
+            print(f"{name:28s} {row['precision']:12s} mb {mb:4d} {row['layout']:10s}: "
                   f"{res.get('images_per_s', float('nan')):9.1f} img/s "
                   f"peak {res.get('peak_mem_gib', float('nan')):6.1f} GiB allocated "
                   f"{res.get('peak_reserved_gib', float('nan')):6.1f} GiB reserved  ({row['wall_s']}s)"
@@ -507,6 +529,15 @@ def main() -> int:
                 print(f"  mb {mb:4d} {r['system']:28s} {r['precision']:12s} "
                       f"{r['images_per_s'] / base['images_per_s']:5.2f}x speed  "
                       f"{r['peak_reserved_gib'] / base['peak_reserved_gib']:5.2f}x reserved memory")
+        for r in rows:
+            if r["input"] != "shards" or not r.get("images_per_s"):
+                continue
+            twin = next((q for q in rows if q["input"] == "synthetic" and q.get("images_per_s")
+                         and all(q[k] == r[k] for k in ("system", "micro_batch", "precision"))), None)
+            if twin:
+                print(f"  mb {r['micro_batch']:4d} {r['system']:28s} {r['precision']:12s} "
+                      f"from shards: {r['images_per_s'] / twin['images_per_s']:5.3f}x its "
+                      f"synthetic-input rate")
     if _world() > 1 and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -10,7 +10,8 @@
 #   fp8-curve (1 GPU): ViT-B/16, 500 steps on the embedded data, bf16 against fp8 (current).
 #   data (1 GPU): scripts/bench_data.py, JPEG decode at 224 (nvJPEG and CPU threads).
 #   shards-train (1 GPU): ViT-B/16 with step graphs trained from JPEG shards (nvJPEG, and with
-#   0.3 / 0.6 of each microbatch decoded by CPU threads) against in-memory data.
+#   0.3 / 0.6 of each microbatch decoded by CPU threads) against in-memory data, then
+#   bench.py --data: the same ratio as JSON.
 #   clip (1 GPU): clip_vit_b16 eager vs graphs over 100 steps, and the CLIP bench rows (open_clip
 #   from a wheel: `python3 -m pip install -q --no-deps --target /tmp/site .te/wheels/*.whl`).
 #   profile (1 GPU): torch.profiler kernel table of the ViT-L/16 step-graph step, mb 8 and 256.
@@ -138,7 +139,12 @@ for s in "${steps[@]}"; do
         timeout 120 python -m vitgraph train "${w[@]}" data.kind=webdataset data.path=$sh data.decode=cuda \
           data.cpu_decode_share=$share run.dir=/tmp/b16_shards_$share > "$out/train_b16_shards_$share.log" 2>&1
       done
-      grep -H "img/s" "$out"/train_b16_*.log | sed 's/| TFLOP.*//' ;;
+      grep -H "img/s" "$out"/train_b16_*.log | sed 's/| TFLOP.*//'
+      # the same comparison as JSON: bench.py's synthetic-input row and its row fed from the
+      # shards through the loop's input pipeline, in one process
+      timeout 200 python scripts/bench.py --model vit_b16_224 --micro-batches 256 \
+        --systems vitgraph+step-graphs --data $sh --warmup 10 --iters 20 \
+        --out "$out/bench_shards.json" 2>&1 | tee "$out/bench_shards.log" | tail -4 ;;
     clip)
       # clip_vit_b16 (TE, bf16) on the captioned shapes: eager and layer graphs, 100 steps each,
       # then vitgraph's contrastive step against open_clip's (its wheel: see the header)

@@ -1,5 +1,6 @@
 """scripts/bench.py's pieces that need no GPU."""
 import importlib.util
+import types
 
 from conftest import ROOT
 
@@ -26,3 +27,16 @@ def test_no_nvidia_smi_or_gpu_samples_nothing():
     with bench.GpuSampler() as gpu:
         pass
     assert gpu.summary() == {}
+
+
+def test_data_runs_each_vitgraph_row_again_from_shards_and_the_peers_once():
+    args = types.SimpleNamespace(micro_batches=[8, 256], precisions=["bf16"],
+                                 systems=["vitgraph+step-graphs", "timm+compile"], data="/shards")
+    bench = load_bench()
+    jobs = bench._jobs(args)
+    assert [j for j in jobs if j[0] == 256] == [
+        (256, "vitgraph+step-graphs", "bf16", "synthetic"),
+        (256, "vitgraph+step-graphs", "bf16", "shards"),
+        (256, "timm+compile", "bf16", "synthetic")]
+    args.data = None
+    assert all(j[3] == "synthetic" for j in bench._jobs(args)) and len(bench._jobs(args)) == 4
