@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-try:  # libjpeg-turbo without the GIL (see decode_full)
+try:  # libjpeg-turbo without the GIL (see _turbo_decode)
     import simplejpeg
 except ImportError:  # PIL decodes everything then
     simplejpeg = None
@@ -93,9 +93,9 @@ def read_index(root: str, split: str) -> tuple[list[str], list[list[dict]], list
 def _turbo_decode(data: bytes, size: int) -> np.ndarray | None:
     """A JPEG as RGB uint8 [H, W, 3] at the largest power-of-two DCT reduction whose shorter
     side still covers ``size`` (PIL's draft mode), through simplejpeg; None where PIL should
-    decode (no simplejpeg, not a JPEG, CMYK, damaged). For ``decode_full``: with a resize on
-    the CPU after it (``decode_image``) PIL's resize dominates, and on this 2-core machine
-    the swap measured no faster there, so that path stays PIL's.
+    decode (no simplejpeg, not a JPEG, CMYK, damaged). Used by ``decode_full`` only: in
+    ``decode_image`` PIL's resize dominates, and swapping the decode measured no faster there
+    (on a 2-core machine).
 
     simplejpeg wraps libjpeg-turbo, as PIL's decoder does (the same pixels), but holds no GIL
     while decoding into the array. PIL holds it while making an array of a decoded image, so

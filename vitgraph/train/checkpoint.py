@@ -109,7 +109,8 @@ def start_writer_helper(signals) -> None:
     process spawned at the first save and kept. ``timeout``, a terminal and SLURM signal a
     job's whole process group: a stop signal killed that helper, so the preemption save that
     signal asked for failed (EOFError or BrokenPipeError; an H200 run, 2026-12-01). An ignored
-    signal stays ignored across the spawned process's exec; the handlers here are set after."""
+    signal stays ignored across the spawned process's exec; the handlers here are set after.
+    The helper still ends with this process (megatron's finalizer) or by SIGKILL."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:
