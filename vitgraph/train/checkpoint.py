@@ -29,6 +29,7 @@ reported with the file named. Pruning to ``keep`` never removes the newest intac
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -303,10 +304,18 @@ def save(ckpt_dir: Path, step: int, d: Dist, state: dict, keep: int) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = [p.name for p in step_dirs(ckpt_dir) if p != final]
         raise CheckpointError(f"{e}. The earlier checkpoints are untouched "
-                              f"({', '.join(previous[-3:]) or 'none'}); free space or fix the "
-                              f"folder's permissions, then run the same command to resume"
+                              f"({', '.join(previous[-3:]) or 'none'}); {_remedy(str(e))}"
                               ) from None
     return final
+
+
+def _remedy(failure: str) -> str:
+    """What to do about a failed save: the disk's space or permissions when an OSError says
+    so; otherwise (a helper process gone, a bug) only that a rerun resumes."""
+    if any(f"[Errno {n}]" in failure for n in (errno.ENOSPC, errno.EDQUOT, errno.EACCES,
+                                                errno.EPERM, errno.EROFS)):
+        return "free space or fix the folder's permissions, then run the same command to resume"
+    return "run the same command to resume"
 
 
 def _fsync_dir(path: Path) -> None:
