@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--augment", action="store_true", help="the DeiT recipe on the device")
     ap.add_argument("--cpu-decode-share", type=float, default=0.0,
-                    help="cuda decode: this share of each batch decoded by PIL in the threads")
+                    help="cuda decode: this share of each batch decoded in the threads (simplejpeg, else PIL)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", help="write the result JSON here")
