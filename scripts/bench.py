@@ -36,6 +36,9 @@ with the training loop's own input pipeline: shards read and decoded by nvJPEG
 `vitgraph train` does. Those rows say ``"input": "shards"`` and the ratio to the synthetic row
 is printed (issue 10: within 5%).
 
+The process runs with the hardware queues `vitgraph train` sets (CUDA_DEVICE_MAX_CONNECTIONS,
+32 unless set: vitgraph.parallel.setup), peers included; the provenance records the value.
+
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
 """
@@ -403,6 +406,7 @@ def provenance(args) -> dict:
             "transformer_engine": ver("transformer_engine"), "megatron_core": _mcore_version(),
             "timm": ver("timm"), "torchao": ver("torchao"), "python": platform.python_version(), "attention": cudnn_te,
             "warmup": args.warmup, "iters": args.iters, "vitgraph_overrides": args.override,
+            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "method": "median of 3 blocks of `iters` steps, after `warmup` steps; "
                       "peak memory over the timed steps (torch.cuda.max_memory_allocated)"}
 
@@ -461,6 +465,8 @@ def main() -> int:
     global PROFILE, KERNELS
     PROFILE, KERNELS = args.profile, args.kernels
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    from vitgraph.parallel.setup import set_hardware_queues
+    set_hardware_queues()  # before any row makes the CUDA context, as `vitgraph train` does
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
     rows = []

@@ -118,7 +118,8 @@ class Trainer:
         dist.barrier()
         _setup_logging(self.run_dir, d.rank, to_file=not readonly)
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
-                 torch.cuda.get_device_name() if d.cuda else "CPU (gloo, shims active)")
+                 f"{torch.cuda.get_device_name()}, {d.hardware_queues} hardware queues "
+                 "(CUDA_DEVICE_MAX_CONNECTIONS)" if d.cuda else "CPU (gloo, shims active)")
 
         # what is trained: the model, its batches and its loss (vitgraph.tasks)
         self.task = make_task(cfg, d)
