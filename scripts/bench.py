@@ -37,7 +37,7 @@ with the training loop's own input pipeline: shards read and decoded by nvJPEG
 is printed (issue 10: within 5%).
 
 The process runs with the hardware queues `vitgraph train` sets (CUDA_DEVICE_MAX_CONNECTIONS,
-32 unless set: vitgraph.parallel.setup), peers included; the provenance records the value.
+32 unless set: vitgraph.set_hardware_queues), peers included; the provenance records the value.
 
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
@@ -57,10 +57,12 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from vitgraph import set_hardware_queues  # noqa: E402
+
+set_hardware_queues()  # as `vitgraph train` does, before anything initialises CUDA
+import torch  # noqa: E402
 
 PEAK_FLOPS = 790e12
 # system -> (graphs.impl or None for no graphs, graphs.scope)
@@ -465,8 +467,6 @@ def main() -> int:
     global PROFILE, KERNELS
     PROFILE, KERNELS = args.profile, args.kernels
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    from vitgraph.parallel.setup import set_hardware_queues
-    set_hardware_queues()  # before any row makes the CUDA context, as `vitgraph train` does
     rank0 = int(os.environ.get("RANK", "0")) == 0
 
     rows = []

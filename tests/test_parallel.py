@@ -171,14 +171,13 @@ def test_a_new_trainer_in_one_process_destroys_the_old_process_groups():
 
 def test_hardware_queues_default_to_32_unless_set_or_too_late(monkeypatch):
     """nvJPEG's streams need more than CUDA's 8 hardware queues beside the step graph; the
-    user's CUDA_DEVICE_MAX_CONNECTIONS wins, and once a context exists nothing is changed."""
-    import torch
-
-    from vitgraph.parallel.setup import set_hardware_queues
+    user's CUDA_DEVICE_MAX_CONNECTIONS wins, and once the driver is initialised nothing is
+    changed (it read the variable then)."""
+    import vitgraph
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert set_hardware_queues() == "8" and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert set_hardware_queues() == "32"
+    monkeypatch.setattr(vitgraph, "_driver_initialised", lambda: True)
+    assert vitgraph.set_hardware_queues() == "8" and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    monkeypatch.setattr(vitgraph, "_driver_initialised", lambda: False)
+    assert vitgraph.set_hardware_queues() == "32"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    assert set_hardware_queues() == "1"
+    assert vitgraph.set_hardware_queues() == "1"

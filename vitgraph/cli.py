@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vitgraph import set_hardware_queues
+    set_hardware_queues()  # before any import below can initialise CUDA
     parser = _parser()
     args = parser.parse_args(argv)
     if hasattr(signal, "SIGUSR2") and sys.__stderr__ is not None:

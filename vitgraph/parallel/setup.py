@@ -71,25 +71,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# CUDA maps streams onto this many hardware work queues per device (CUDA's default: 8).
-# nvJPEG decodes on 14 streams of its own beside the training and graph streams: with 8 queues
-# its work sat behind the step graph's kernels and the GPU idled after each step (2026-12-01,
-# one H200: ViT-B/16 from JPEG shards 0.895x the synthetic rate with 8 queues, 0.959x with 32).
-HARDWARE_QUEUES = "32"
-
-
-def set_hardware_queues() -> str:
-    """Give the process 32 hardware queues unless the user set CUDA_DEVICE_MAX_CONNECTIONS.
-    CUDA reads it when the device's context is made: call this before any CUDA work. Returns
-    the value the context has (CUDA's default, 8, where a context was made before)."""
-    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not torch.cuda.is_initialized():
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = HARDWARE_QUEUES
-    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-
-
 def init_distributed(cfg: Config) -> Dist:
     """torchrun's environment, or a single process when launched without torchrun."""
-    queues = set_hardware_queues()  # before the first CUDA call below
+    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # vitgraph.set_hardware_queues
     cuda = torch.cuda.is_available()
     if not cuda:
         cpu_shims.install()
