@@ -1,4 +1,6 @@
-"""Does CUDA_DEVICE_MAX_CONNECTIONS take effect when set at a given point of the process?
+"""(Call 3 ran it without the warm-up loop: every stream waited, in every mode, on the
+first load of the add kernel. Call 5 runs it as it is now.)
+Does CUDA_DEVICE_MAX_CONNECTIONS take effect when set at a given point of the process?
 A long sleep kernel runs on one stream; a tiny kernel on each of 24 other streams. A stream
 that shares the sleeping stream's hardware queue finishes only after the sleep: with 8 queues
 about 3 do, with 32 none. usage: queues_probe.py MODE (see below)."""
@@ -26,6 +28,10 @@ if mode == "after_megatron_te":  # what init_distributed did in 8a03f12
 a = torch.cuda.Stream()
 streams = [torch.cuda.Stream() for _ in range(24)]
 x = torch.zeros(1024, device="cuda")
+for s in [a, *streams]:  # load the kernels first: a lazy module load waits for the device
+    with torch.cuda.stream(s):
+        x.add_(1)
+        torch.cuda._sleep(10)
 torch.cuda.synchronize()
 start = torch.cuda.Event(enable_timing=True)
 with torch.cuda.stream(a):
