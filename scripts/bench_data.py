@@ -42,7 +42,9 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
+from vitgraph import set_hardware_queues  # noqa: E402
 
+set_hardware_queues()  # as `vitgraph train` does, before anything initialises CUDA
 import torch  # noqa: E402
 
 
@@ -123,7 +125,8 @@ def provenance(args, shards_info: dict, device: torch.device) -> dict:
             "torch": torch.__version__, "torchvision": tv, "pillow": PIL.__version__,
             "cuda": torch.version.cuda, "cpus": os.cpu_count(),
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-            "shards": shards_info, "command": " ".join([sys.executable, *sys.argv])}
+            "shards": shards_info, "command": " ".join([sys.executable, *sys.argv]),
+            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
 
 
 def main(argv=None) -> int:
