@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 
 # CUDA maps streams onto this many hardware work queues per device (CUDA's default: 8).
 # nvJPEG decodes on 14 streams of its own beside the training and graph streams: with 8 queues
-# its work sat behind the step graph's kernels and the GPU idled after each step (2026-12-01,
-# 2 x H200, ViT-B/16 from JPEG shards: 0.895x the synthetic rate with 8 queues, 0.959x with 32).
+# most of its work ran only after the step graph, the GPU idle meanwhile (ViT-B/16 from JPEG
+# shards on an H200: 0.86-0.90x the synthetic rate with 8 queues, 0.95-0.96x with 32).
 HARDWARE_QUEUES = "32"
 
 
