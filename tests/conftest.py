@@ -4,7 +4,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from vitgraph import set_hardware_queues
+
+set_hardware_queues()  # in-process GPU tests run as `vitgraph train` does (before CUDA starts)
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
