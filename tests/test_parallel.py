@@ -181,3 +181,7 @@ def test_hardware_queues_default_to_32_unless_set_or_too_late(monkeypatch):
     assert vitgraph.set_hardware_queues() == "32"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     assert vitgraph.set_hardware_queues() == "1"
+    # every `vitgraph` command sets it first
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    from vitgraph.cli import main
+    assert main(["models"]) == 0 and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
