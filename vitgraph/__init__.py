@@ -15,8 +15,9 @@ def set_hardware_queues() -> str:
     """Give the process 32 hardware queues unless the user set CUDA_DEVICE_MAX_CONNECTIONS.
 
     The driver reads the variable once, so this must run before anything initialises CUDA
-    (importing TE or megatron-core can): `vitgraph` commands and scripts/bench.py call it
-    first. Returns the value the process runs with ("8", CUDA's default, if it came too late)."""
+    (importing TE or megatron-core can): `vitgraph` commands, scripts/bench*.py and the
+    tests call it first. Returns the value the process runs with ("8", CUDA's default, if
+    it came too late)."""
     if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not _driver_initialised():
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = HARDWARE_QUEUES
     return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
