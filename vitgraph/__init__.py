@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 # nvJPEG decodes on 14 streams of its own beside the training and graph streams: with 8 queues
 # most of its work ran only after the step graph, the GPU idle meanwhile (ViT-B/16 from JPEG
 # shards on an H200: 0.86-0.90x the synthetic rate with 8 queues, 0.95-0.96x with 32).
-HARDWARE_QUEUES = "32"
+HARDWARE_QUEUES = 32
 
 
 def set_hardware_queues() -> str:
@@ -19,8 +19,15 @@ def set_hardware_queues() -> str:
     tests call it first. Returns the value the process runs with ("8", CUDA's default, if
     it came too late)."""
     if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not _driver_initialised():
-        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = HARDWARE_QUEUES
-    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(HARDWARE_QUEUES)
+    return str(hardware_queues())
+
+
+def hardware_queues() -> int:
+    """The CUDA_DEVICE_MAX_CONNECTIONS the process runs with: CUDA's default, 8, when it is
+    unset or not a number (CUDA ignores that)."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    return int(value) if value.isdigit() else 8
 
 
 def _driver_initialised() -> bool:

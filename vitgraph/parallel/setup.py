@@ -50,7 +50,6 @@ class Dist:
     pp_rank: int
     dp_rank: int
     vpp: int = 1
-    hardware_queues: int = 8  # CUDA_DEVICE_MAX_CONNECTIONS the process runs with
 
     @property
     def is_first_stage(self) -> bool:
@@ -73,8 +72,6 @@ def _free_port() -> int:
 
 def init_distributed(cfg: Config) -> Dist:
     """torchrun's environment, or a single process when launched without torchrun."""
-    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "")  # vitgraph.set_hardware_queues
-    queues = int(queues) if queues.isdigit() else 8  # CUDA ignores what is not a number
     cuda = torch.cuda.is_available()
     if not cuda:
         cpu_shims.install()
@@ -107,7 +104,7 @@ def init_distributed(cfg: Config) -> Dist:
                                  distributed_timeout_minutes=p.timeout_minutes)
     d = Dist(rank, world, local_rank, device, p.tp, p.pp, ps.get_data_parallel_world_size(),
              ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-             ps.get_data_parallel_rank(), vpp=p.vpp, hardware_queues=queues)
+             ps.get_data_parallel_rank(), vpp=p.vpp)
     if cuda and cfg.graphs.enabled:
         # graphs capture on the training stream, which must not be the legacy default stream
         # (megatron DDP's grad-accumulation nodes remember the stream they were made on)

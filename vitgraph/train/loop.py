@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vitgraph import HARDWARE_QUEUES
+from vitgraph import HARDWARE_QUEUES, hardware_queues
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
 from vitgraph.data.prefetch import Prefetcher
@@ -118,14 +118,15 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
         dist.barrier()
         _setup_logging(self.run_dir, d.rank, to_file=not readonly)
+        queues = hardware_queues()
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
-                 f"{torch.cuda.get_device_name()}, {d.hardware_queues} hardware queues "
+                 f"{torch.cuda.get_device_name()}, {queues} hardware queues "
                  "(CUDA_DEVICE_MAX_CONNECTIONS)" if d.cuda else "CPU (gloo, shims active)")
-        if d.cuda and cfg.data.decode == "cuda" and d.hardware_queues < int(HARDWARE_QUEUES):
+        if d.cuda and cfg.data.decode == "cuda" and queues < HARDWARE_QUEUES:
             log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%d: with data.decode=cuda fewer hardware "
                         "queues slow training from shards (H200, ViT-B/16: 0.86x the synthetic "
-                        "rate with 8, 0.95x with 32); unset it for vitgraph's %s",
-                        d.hardware_queues, HARDWARE_QUEUES)
+                        "rate with 8, 0.95x with 32); unset it for vitgraph's %d",
+                        queues, HARDWARE_QUEUES)
 
         # what is trained: the model, its batches and its loss (vitgraph.tasks)
         self.task = make_task(cfg, d)
