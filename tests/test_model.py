@@ -110,7 +110,7 @@ def test_mlp_adds_fc1_bias_with_the_activation(dist1):
     still LN -> fc1 -> GELU -> fc2, fc2's bias returned for the layer's bias-dropout-add."""
     import torch.nn.functional as F
     from vitgraph.models.specs import BiasActMLP
-    model, _ = build(dist1)
+    model, _ = build(dist1, "model.fused_norm=false")
     mlp = model.decoder.layers[0].mlp
     assert isinstance(mlp, BiasActMLP)
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
@@ -123,3 +123,56 @@ def test_mlp_adds_fc1_bias_with_the_activation(dist1):
         ref = F.gelu(h @ fc1.weight.T + fc1.bias) @ fc2.weight.T
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(bias, fc2.bias)
+
+
+def _forward_backward(model, x, seed=0):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks in both models
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fused_norm_layer_computes_what_megatrons_layer_does(dist1, dropout):
+    """ResidualNormLayer (the residual adds inside the norms, the stream unsummed between
+    layers) against megatron's TransformerLayer with the same weights: the same logits and
+    gradients, hidden dropout included (the same masks, drawn in the same order)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from vitgraph.models.specs import ResidualNormLayer
+    over = [f"model.hidden_dropout={dropout}", "model.num_layers=3"]
+    fused, _ = build(dist1, *over)
+    plain, _ = build(dist1, *over, "model.fused_norm=false")
+    assert all(type(l) is ResidualNormLayer for l in fused.decoder.layers)
+    assert all(type(l) is TransformerLayer for l in plain.decoder.layers)
+    assert [l.closes_stream for l in fused.decoder.layers] == [False, False, True]
+    plain.load_state_dict(fused.state_dict())
+    with torch.no_grad():  # biases and norms away from their zero / one init
+        for (n, p), q in zip(fused.named_parameters(), plain.parameters()):
+            if "norm" in n or n.endswith("bias") or n.startswith("head"):
+                p.add_(torch.randn_like(p) * 0.1)
+                q.copy_(p)
+    fused.train(), plain.train()
+    x = torch.randn(4, 3, 32, 32)
+    out_f, grads_f = _forward_backward(fused, x)
+    out_p, grads_p = _forward_backward(plain, x)
+    torch.testing.assert_close(out_f, out_p, rtol=1e-5, atol=1e-6)
+    assert grads_f.keys() == grads_p.keys()
+    for n in grads_f:
+        torch.testing.assert_close(grads_f[n], grads_p[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_fused_norm_layer_hands_the_stream_on_unsummed(dist1):
+    """Between layers the stream travels as (sum so far, last MLP output) in megatron's
+    (hidden, context) pair; the last layer of the block returns the sum and None."""
+    fused, _ = build(dist1, "model.num_layers=2")
+    first, last = fused.decoder.layers
+    x = torch.randn(65, 2, first.config.hidden_size)
+    with torch.no_grad():
+        residual, pending = first(hidden_states=x)
+        assert pending is not None and pending.shape == x.shape
+        out, context = last(hidden_states=residual, context=pending)
+        assert context is None
+        last.closes_stream = False
+        s, p = last(hidden_states=residual, context=pending)
+        torch.testing.assert_close(out, s + p)

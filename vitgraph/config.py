@@ -53,6 +53,10 @@ class ModelConfig:
     # TE spec on GPU: weight-gradient GEMMs accumulate straight into megatron DDP's fp32
     # main_grad (no per-parameter accumulation hook work); ignored by the torch spec
     gradient_accumulation_fusion: bool = True
+    # each residual add inside the LayerNorm that reads it: one Triton kernel each way on a
+    # GPU (vitgraph.models.specs.ResidualNormLayer); not for train.precision=fp8, whose TE
+    # norms write FP8 for the GEMM after them
+    fused_norm: bool = True
     # start from these weights (.safetensors, .pth, .bin; timm, Hugging Face or vitgraph names,
     # see vitgraph/convert). A head of another class count is re-initialised, position
     # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12

@@ -96,3 +96,82 @@ def test_fused_bias_activation_equals_torch(act_name, dtype):
         assert _rel(y, yr) < tol
         assert _rel(x.grad, xr.grad) < tol
         assert _rel(b.grad, br.grad) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_layer_norm_equals_torch(dtype):
+    """The Triton residual add + LayerNorm (outputs; gradients of both inputs, the norm's
+    parameters and the added bias) against torch in fp32 from the same inputs, on shapes that
+    fill no block evenly, with and without a bias and a gradient reaching the sum."""
+    import torch.nn.functional as F
+    from vitgraph.models import fused_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype)
+    for shape, with_bias, with_dsum in [((197, 3, 1000), True, True), ((50, 8, 768), False, True),
+                                        ((7, 130), True, False)]:
+        n = shape[-1]
+        x, r = rand(*shape, scale=3.0).requires_grad_(), rand(*shape).requires_grad_()
+        bias = rand(n).requires_grad_() if with_bias else None
+        w, b = (rand(n, scale=0.1) + 1).requires_grad_(), rand(n, scale=0.1).requires_grad_()
+        s, y = fused_norm.add_layer_norm(x, r, bias, w, b, 1e-6)
+        assert "AddLayerNorm" in type(y.grad_fn).__name__
+        dy, ds = rand(*shape), rand(*shape) if with_dsum else None
+        torch.autograd.backward([y, s] if with_dsum else [y], [dy, ds] if with_dsum else [dy])
+        leaves = [x, r, w, b] + ([bias] if with_bias else [])
+        ref = [t.detach().float().requires_grad_() for t in leaves]
+        xr, rr, wr, br = ref[:4]
+        sr = ((xr + ref[4]) if with_bias else xr) + rr
+        sr_rounded = sr.to(dtype).float()  # the kernel normalises the sum as stored
+        yr = F.layer_norm(sr + (sr_rounded - sr).detach(), (n,), wr, br, 1e-6)
+        torch.autograd.backward([yr, sr] if with_dsum else [yr],
+                                [dy.float(), ds.float()] if with_dsum else [dy.float()])
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert _rel(s, sr) < tol and _rel(y, yr) < tol
+        for t, tr in zip(leaves, ref):
+            assert _rel(t.grad, tr.grad) < tol, tuple(t.shape)
+
+
+def test_fused_norm_layer_agrees_with_megatrons_te_layer(dist1):
+    """ResidualNormLayer on TE's linears against megatron's TransformerLayer with TE's
+    LayerNormLinear, same weights, bf16; and its kernels: the Triton add + norm where the adds
+    and TE's norms were (one plain norm per block, for its first layer), no broadcast add."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    from vitgraph.models.specs import ResidualNormLayer
+    layers = 4
+    fused = _build(dist1, "te", f"model.num_layers={layers}")
+    plain = _build(dist1, "te", f"model.num_layers={layers}", "model.fused_norm=false")
+    assert all(isinstance(l, ResidualNormLayer) for l in fused.decoder.layers)
+    with torch.no_grad():
+        torch.nn.init.normal_(fused.head.weight, std=0.02)
+        for n, p in fused.named_parameters():
+            if "layer_norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    missing, unexpected = plain.load_state_dict(fused.state_dict(), strict=False)
+    assert not missing and all(k.endswith("_extra_state") for k in unexpected), (missing, unexpected)
+    x = torch.randn(8, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+    out_f, out_p = fused(x), plain(x)
+    assert _rel(out_f, out_p) < 2e-2
+    out_f.float().square().sum().backward()
+    out_p.float().square().sum().backward()
+    grads_p = dict(plain.named_parameters())
+    for name, p in fused.named_parameters():
+        assert _rel(p.grad, grads_p[name].grad) < 5e-2, name
+
+    def kernels(model):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(x).float().square().sum().backward()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        return lambda *words: sum(e.count for e in events if all(w in e.key for w in words)), \
+            [e.key for e in events]
+    calls, keys = kernels(fused)
+    plain_calls, plain_keys = kernels(plain)
+    assert calls("_add_ln_forward") == 2 * layers - 1, keys
+    assert calls("_add_ln_backward") == 2 * layers - 1, keys
+    # TE's LayerNorm kernels (which megatron's layer runs) are gone
+    assert plain_calls("ln_fwd") >= 2 * layers and plain_calls("ln_bwd") >= 2 * layers, plain_keys
+    assert calls("ln_fwd") + calls("ln_bwd") == 0, keys
+    assert calls("CUDAFunctor_add", "gpu_kernel_impl_nocast") < layers, keys

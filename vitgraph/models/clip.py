@@ -91,11 +91,13 @@ def tower_config(base: TransformerConfig, *, hidden_size: int, num_layers: int, 
 
 def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed: int = 0,
                tp_rank: int = 0, tp_size: int = 1, context_length: int | None = None,
-               pad_to=None, init_logit_bias: float | None = None) -> CLIP:
+               pad_to=None, init_logit_bias: float | None = None,
+               fused_norm: bool = False) -> CLIP:
     """One CLIP model (both towers on one pipeline stage), weights drawn layout-independently.
 
     ``spec``: ``te`` | ``torch`` (resolved); ``context_length``: the text positions (the
     registry's by default); ``pad_to``: the image tower's token padding (vitgraph.models.vit);
+    ``fused_norm``: both towers' layers are ResidualNormLayer (vitgraph.models.specs);
     ``init_logit_bias``: give a model without one a logit bias (to train it with the SigLIP
     loss)."""
     name = arch if isinstance(arch, str) else None
@@ -121,12 +123,14 @@ def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed
                         num_heads=t.num_heads, ffn_hidden_size=t.ffn_hidden_size,
                         activation=arch.activation, eps=arch.layernorm_epsilon)
     mapped = arch.vision_pool == "map"
-    visual = ViT(vcfg, get_layer_spec(spec, padding_mask=pad_to is not None), v, 0,
+    visual = ViT(vcfg, get_layer_spec(spec, padding_mask=pad_to is not None,
+                                      fused_norm=fused_norm), v, 0,
                  class_token=arch.class_token, pool="mean" if mapped else arch.vision_pool,
                  pad_to=pad_to, ln_pre=arch.ln_pre, head="map" if mapped else "proj",
                  embed_dim=arch.embed_dim,
                  patch_bias=arch.patch_bias)
-    text = TextTransformer(tcfg, get_layer_spec(spec, causal=t.causal), t, arch.embed_dim)
+    text = TextTransformer(tcfg, get_layer_spec(spec, causal=t.causal, fused_norm=fused_norm), t,
+                           arch.embed_dim)
     bias = arch.init_logit_bias if init_logit_bias is None else init_logit_bias
     model = CLIP(visual, text, arch.init_logit_scale, bias)
     init_clip_weights(model, seed, tp_rank=tp_rank, tp_size=tp_size)

@@ -4,6 +4,10 @@
 Both specs give every layer the same parameter names and shapes: the layer norms live inside
 the QKV and FC1 linears (``layer_norm_weight`` / ``layer_norm_bias``), as TE fuses them, so a
 state dict moves between the two unchanged (TE adds only ``_extra_state`` entries).
+
+With ``fused_norm`` the layer is ``ResidualNormLayer``: each residual add runs inside the
+LayerNorm that reads it (vitgraph.models.fused_norm); the linears keep the norms' parameters
+under the same names and leave the normalising to the layer.
 """
 from __future__ import annotations
 
@@ -21,9 +25,12 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.utils import get_pg_rank
 
 from vitgraph.models.fused_act import bias_act
+from vitgraph.models.fused_norm import add_layer_norm
 
 SPECS = ("te", "torch")
 
@@ -42,25 +49,119 @@ def resolve_spec(name: str) -> str:
     return name
 
 
+def _add_norm_params(linear, input_size: int, config) -> None:
+    """The LayerNorm parameters before ``linear``, under TE's names (``normalize``: whether the
+    linear applies the norm itself; ResidualNormLayer turns it off and normalises for it)."""
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    linear.eps = config.layernorm_epsilon
+    linear.normalize = True
+    linear.layer_norm_weight = torch.nn.Parameter(
+        torch.ones(input_size, dtype=config.params_dtype, device=device))
+    linear.layer_norm_bias = torch.nn.Parameter(
+        torch.zeros(input_size, dtype=config.params_dtype, device=device))
+    for p in (linear.layer_norm_weight, linear.layer_norm_bias):
+        # replicated across tensor-parallel ranks, like TE's; under sequence parallelism each
+        # rank's gradient is partial and megatron sums those carrying this flag
+        setattr(p, "sequence_parallel", config.sequence_parallel)
+
+
+def _norm(linear, x: torch.Tensor) -> torch.Tensor:
+    if not linear.normalize:
+        return x
+    return F.layer_norm(x, (x.shape[-1],), linear.layer_norm_weight, linear.layer_norm_bias,
+                        linear.eps)
+
+
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
     """LayerNorm followed by megatron's ColumnParallelLinear, with TE's parameter names."""
 
     def __init__(self, input_size, output_size, *, config, **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.eps = config.layernorm_epsilon
-        self.layer_norm_weight = torch.nn.Parameter(
-            torch.ones(input_size, dtype=config.params_dtype, device=device))
-        self.layer_norm_bias = torch.nn.Parameter(
-            torch.zeros(input_size, dtype=config.params_dtype, device=device))
-        for p in (self.layer_norm_weight, self.layer_norm_bias):
-            # replicated across tensor-parallel ranks, like TE's; grads are identical there
-            setattr(p, "sequence_parallel", config.sequence_parallel)
+        _add_norm_params(self, input_size, config)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        x = F.layer_norm(input_, (input_.shape[-1],), self.layer_norm_weight,
-                         self.layer_norm_bias, self.eps)
-        return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
+        return super().forward(_norm(self, input_), weight=weight,
+                               runtime_gather_output=runtime_gather_output)
+
+
+@functools.cache
+def _te_column_parallel_with_norm_params():
+    """megatron's TE column-parallel linear holding the LayerNorm parameters before it, named
+    as in TE's LayerNormLinear, for ResidualNormLayer (bf16: TE's LayerNormLinear runs its norm
+    as a separate kernel there too; FP8 keeps LayerNormLinear, whose norm writes FP8)."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+    class TENormColumnParallelLinear(TEColumnParallelLinear):
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            _add_norm_params(self, input_size, config)
+
+        def forward(self, x):
+            return super().forward(_norm(self, x))
+
+    return TENormColumnParallelLinear
+
+
+# the attention arguments megatron's TransformerBlock passes a layer that ResidualNormLayer
+# hands on (the rest are for cross attention and inference, which it does not do)
+_ATTENTION_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "attention_bias",
+                     "packed_seq_params", "sequence_len_offset")
+
+
+class ResidualNormLayer(TransformerLayer):
+    """megatron's pre-norm TransformerLayer with every residual add inside the LayerNorm that
+    reads it: ``s = residual + x (+ bias)`` and ``LN(s)`` as one kernel each way
+    (vitgraph.models.fused_norm), which also sums the bias gradient of the projection before.
+
+    The MLP's add belongs to the next layer's first norm, so between layers the residual
+    stream travels unsummed: a layer returns ``(s, mlp_output)`` as megatron's
+    ``(hidden_states, context)`` pair, which TransformerBlock hands to the next layer (a ViT
+    has no cross-attention context). The last layer of a block (of a pipeline stage) returns
+    the sum and ``None``, so what leaves a block is what megatron's layer returns. Hidden
+    dropout, when set, drops ``x + bias`` before the add, as megatron's bias-dropout-add.
+    """
+
+    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
+                 pg_collection=None, vp_stage=None):
+        super().__init__(config, submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        self.norms = (self.self_attention.linear_qkv, self.mlp.linear_fc1)
+        for linear in self.norms:
+            linear.normalize = False
+        # layer_number is this layer's place in its block (1-based); the block builds this many
+        built = get_num_layers_to_build(config, vp_stage=vp_stage,
+                                        pp_rank=get_pg_rank(self.pg_collection.pp))
+        self.closes_stream = layer_number == built
+
+    def _dropped(self, x: torch.Tensor, bias):
+        if self.hidden_dropout and self.training:
+            return F.dropout(x if bias is None else x + bias, self.hidden_dropout), None
+        return x, bias
+
+    def forward(self, hidden_states, attention_mask=None, context=None, **kwargs):
+        attn_norm, mlp_norm = self.norms
+        eps = self.config.layernorm_epsilon
+        if context is None:  # the block's first layer: the stream arrives summed
+            residual = hidden_states
+            normed = F.layer_norm(residual, (residual.shape[-1],), attn_norm.layer_norm_weight,
+                                  attn_norm.layer_norm_bias, eps)
+        else:
+            residual, normed = add_layer_norm(context, hidden_states, None,
+                                              attn_norm.layer_norm_weight,
+                                              attn_norm.layer_norm_bias, eps)
+        out, bias = self.self_attention(
+            normed, attention_mask=attention_mask,
+            **{k: kwargs[k] for k in _ATTENTION_KWARGS if k in kwargs})
+        out, bias = self._dropped(out, bias)
+        residual, normed = add_layer_norm(out, residual, bias, mlp_norm.layer_norm_weight,
+                                          mlp_norm.layer_norm_bias, eps)
+        out, bias = self._dropped(*self.mlp(normed))
+        if bias is not None:
+            out = out + bias
+        if self.closes_stream:
+            return residual + out, None
+        return residual, out
 
 
 class SDPAttention(MegatronModule):
@@ -122,9 +223,10 @@ class BiasActMLP(MLP):
         return self.linear_fc2(bias_act(intermediate, bias, self.activation_func))
 
 
-def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType) -> ModuleSpec:
+def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType,
+                layer=TransformerLayer) -> ModuleSpec:
     return ModuleSpec(
-        module=TransformerLayer,
+        module=layer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=IdentityOp,  # fused into linear_qkv
             self_attention=ModuleSpec(
@@ -182,10 +284,12 @@ MASKS = {(False, False): AttnMaskType.no_mask, (True, False): AttnMaskType.paddi
          (False, True): AttnMaskType.causal, (True, True): AttnMaskType.padding_causal}
 
 
-def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False) -> ModuleSpec:
+def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False,
+                   fused_norm: bool = False) -> ModuleSpec:
     """The layer spec; ``padding_mask``: attention takes a key-padding mask (token padding,
     see vitgraph.models.vit); ``causal``: each token attends only to itself and earlier ones
-    (a CLIP text tower); neither: no mask at all (a ViT)."""
+    (a CLIP text tower); neither: no mask at all (a ViT). ``fused_norm``: ResidualNormLayer
+    (not for FP8, whose TE norms write FP8 for the GEMM after them)."""
     mask = MASKS[(bool(padding_mask), bool(causal))]
     if name == "te":
         # megatron-core's TE ViT spec: no mask, layer norms fused into the linears; the
@@ -196,11 +300,20 @@ def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False) 
         spec = copy.deepcopy(get_vit_layer_with_transformer_engine_spec())
         spec.submodules.self_attention.params["attn_mask_type"] = mask
         row = _te_row_parallel_with_bias_in_gemm()
-        spec.submodules.self_attention.submodules.linear_proj = row
+        attention = spec.submodules.self_attention.submodules
+        attention.linear_proj = row
         spec.submodules.mlp.module = BiasActMLP  # fc1 (TE's, LN fused) returns its bias
         spec.submodules.mlp.submodules.linear_fc2 = row
+        if fused_norm:
+            # the projection returns its bias to the fused add, whose kernel sums its gradient
+            from megatron.core.extensions.transformer_engine import TERowParallelLinear
+            spec.module = ResidualNormLayer
+            attention.linear_qkv = _te_column_parallel_with_norm_params()
+            attention.linear_proj = TERowParallelLinear
+            spec.submodules.mlp.submodules.linear_fc1 = _te_column_parallel_with_norm_params()
         return spec
     if name == "torch":
         return _layer_spec(LayerNormColumnParallelLinear, SDPAttention, RowParallelLinear,
-                           LayerNormColumnParallelLinear, RowParallelLinear, mask)
+                           LayerNormColumnParallelLinear, RowParallelLinear, mask,
+                           layer=ResidualNormLayer if fused_norm else TransformerLayer)
     raise ValueError(f"unknown layer spec {name!r}; known: {', '.join(SPECS)}")

@@ -196,6 +196,11 @@ def use_bf16(cfg: Config, d: Dist) -> bool:
     return cfg.train.precision in ("bf16", "fp8")
 
 
+def use_fused_norm(cfg: Config) -> bool:
+    """ResidualNormLayer (vitgraph.models.specs) for this run."""
+    return cfg.model.fused_norm and cfg.train.precision != "fp8"
+
+
 FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}
 
 
@@ -273,7 +278,7 @@ def build_model(cfg: Config, d: Dist, num_classes: int) -> list[ViT]:
     # the padding mask costs a little in attention: only layers that may see padding get it
     # (eval batches of other sizes are filled up instead: Trainer.evaluate)
     pad = token_padding(cfg, cfg.train.micro_batch_size)
-    layer_spec = get_layer_spec(spec, padding_mask=pad > 1)
+    layer_spec = get_layer_spec(spec, padding_mask=pad > 1, fused_norm=use_fused_norm(cfg))
     chunks = []
     for vp in range(d.vpp):
         first = d.is_first_stage and vp == 0

@@ -26,7 +26,7 @@ from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
 from vitgraph.models.registry import resolve_clip_arch
 from vitgraph.models.specs import resolve_spec
 from vitgraph.models.vit import unwrap
-from vitgraph.parallel.setup import token_padding, transformer_config
+from vitgraph.parallel.setup import token_padding, transformer_config, use_fused_norm
 from vitgraph.tasks.base import Task, stats
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
@@ -110,7 +110,7 @@ class ContrastiveTask(Task):
                            seed=cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
                            context_length=self.context_length,
                            pad_to=(lambda b: token_padding(cfg, b)) if pad > 1 else None,
-                           init_logit_bias=bias)
+                           init_logit_bias=bias, fused_norm=use_fused_norm(cfg))
         v, t = self.arch.vision, self.arch.text
         n_text = sum(p.numel() for p in model.text.parameters()) - t.vocab_size * t.hidden_size
         self.flops_per_sample = (

@@ -1,0 +1,174 @@
+"""Residual add + LayerNorm as one kernel forward and one backward (Triton, on CUDA).
+
+In a pre-norm transformer every LayerNorm but the first reads a residual sum made just
+before it: ``s = x + residual (+ bias)``, ``y = LN(s)``. Unfused, a ViT-L step at micro-batch
+256 on an H200 spent 6.8 ms in those adds (forward, and the backward's sum of the two
+gradients reaching ``s``), 7.4 ms in LayerNorm and 5.2 ms in cuBLASLt's bias-gradient
+kernels over the same [tokens, hidden] tensors. Here:
+
+* forward: reads ``x`` and ``residual`` once, writes ``s`` and ``y``;
+* backward: reads ``dy``, ``s`` and the gradient reaching ``s`` from later in the residual
+  stream, writes ``ds`` (the gradient of ``x`` and of ``residual``), and sums the
+  LayerNorm's weight and bias gradients and the added bias's gradient from the same
+  registers.
+
+``s`` is rounded to the activation dtype before it is normalised, as the unfused add then
+LayerNorm do, and the backward reads that rounded ``s``. Tile sizes are fixed (no autotune)
+so that the parameter gradients' summation order, and so their bits, are the same in every
+run. Elsewhere (CPU, no Triton, or another dtype) ``add_layer_norm`` is the same math in torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install
+    triton = None
+
+
+if triton is not None:
+    @triton.jit
+    def _add_ln_forward(x_ptr, r_ptr, bias_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
+                        M, N, eps, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        rmask, cmask = rows < M, cols < N
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        s = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+             + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        s_low = s.to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + offs, s_low, mask=mask)
+        s = s_low.to(tl.float32)
+        mean = tl.sum(s, axis=1) / N
+        d = tl.where(mask, s - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = d * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+
+    @triton.jit
+    def _add_ln_backward(dy_ptr, dsum_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, part_ptr,
+                         M, N, HAS_DSUM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # a fixed number of programs, each striding over row blocks; each writes its partial
+        # column sums (LN weight, LN bias, added bias; fp32) to its row of part[3, programs, N]
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc_w = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(pid * BLOCK_M, M, programs * BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            rmask = rows < M
+            mask = rmask[:, None] & cmask[None, :]
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+            s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = dy * w[None, :]
+            c1 = tl.sum(xhat * g, axis=1) / N
+            c2 = tl.sum(g, axis=1) / N
+            ds = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if HAS_DSUM:
+                ds += tl.load(dsum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ds_ptr + offs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+            acc_w += dy * xhat
+            acc_b += dy
+            if HAS_BIAS:
+                acc_bias += tl.where(mask, ds, 0.0)
+        part = part_ptr + pid * N + cols
+        tl.store(part, tl.sum(acc_w, axis=0), mask=cmask)
+        tl.store(part + programs * N, tl.sum(acc_b, axis=0), mask=cmask)
+        if HAS_BIAS:
+            tl.store(part + 2 * programs * N, tl.sum(acc_bias, axis=0), mask=cmask)
+
+
+# tile sizes (rows per block, warps; backward: programs per SM), fixed: see the docstring
+FORWARD = dict(BLOCK_M=4, num_warps=8)
+BACKWARD = dict(BLOCK_M=4, num_warps=8, per_sm=4)
+
+
+def launch_forward(x, r, bias, w, b, eps: float, cfg: dict = FORWARD):
+    """x, r: [M, N] contiguous. Returns s, y, mean, rstd."""
+    m, n = x.shape
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
+    _add_ln_forward[grid](x, r, w if bias is None else bias, w, b, s, y, mean, rstd, m, n, eps,
+                          HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"],
+                          BLOCK_N=triton.next_power_of_2(n), num_warps=cfg["num_warps"])
+    return s, y, mean, rstd
+
+
+def launch_backward(dy, dsum, s, w, mean, rstd, has_bias: bool, cfg: dict = BACKWARD):
+    """Returns ds and the fp32 gradients of the LN weight, LN bias and the added bias (None
+    without one). ``dsum``: the gradient reaching ``s`` from later on, or None."""
+    m, n = s.shape
+    sms = torch.cuda.get_device_properties(s.device).multi_processor_count if s.is_cuda else 2
+    programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sms * cfg["per_sm"]))
+    ds = torch.empty_like(s)
+    part = torch.empty((3, programs, n), dtype=torch.float32, device=s.device)
+    _add_ln_backward[(programs,)](dy, dy if dsum is None else dsum, s, w, mean, rstd, ds, part,
+                                  m, n, HAS_DSUM=dsum is not None, HAS_BIAS=has_bias,
+                                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=triton.next_power_of_2(n),
+                                  num_warps=cfg["num_warps"])
+    sums = part[: 3 if has_bias else 2].sum(1)
+    return ds, sums[0], sums[1], sums[2] if has_bias else None
+
+
+class _AddLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, r, bias, w, b, eps: float):
+        n = x.shape[-1]
+        s, y, mean, rstd = launch_forward(x.reshape(-1, n), r.reshape(-1, n), bias, w, b, eps)
+        ctx.save_for_backward(s, w, mean, rstd)
+        ctx.has_bias = bias is not None
+        ctx.dtypes = (None if bias is None else bias.dtype, w.dtype, b.dtype)
+        return s.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds_out, dy):
+        s, w, mean, rstd = ctx.saved_tensors
+        n = s.shape[-1]
+        shape = ds_out.shape if ds_out is not None else dy.shape
+        if dy is None:
+            dy = torch.zeros_like(ds_out)
+        ds, dw, db, dbias = launch_backward(
+            dy.reshape(-1, n).contiguous(),
+            None if ds_out is None else ds_out.reshape(-1, n).contiguous(),
+            s, w, mean, rstd, ctx.has_bias)
+        bias_t, w_t, b_t = ctx.dtypes
+        ds = ds.view(shape)
+        return (ds, ds, None if dbias is None else dbias.to(bias_t), dw.to(w_t), db.to(b_t),
+                None)
+
+
+def fused_available(x: torch.Tensor) -> bool:
+    return (triton is not None and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None,
+                   weight: torch.Tensor, norm_bias: torch.Tensor, eps: float):
+    """``s = (x + bias) + residual`` and ``LN(s)`` over the last dimension; returns (s, LN(s)).
+    One Triton kernel each way on CUDA."""
+    if fused_available(x) and x.shape == residual.shape and x.dtype == residual.dtype:
+        return _AddLayerNorm.apply(x.contiguous(), residual.contiguous(), bias, weight,
+                                   norm_bias, eps)
+    s = (x if bias is None else x + bias) + residual
+    return s, F.layer_norm(s, (s.shape[-1],), weight, norm_bias, eps)
