@@ -114,11 +114,12 @@ class ResidualNormLayer(TransformerLayer):
     (vitgraph.models.fused_norm), which also sums the bias gradient of the projection before.
 
     The MLP's add belongs to the next layer's first norm, so between layers the residual
-    stream travels unsummed: a layer returns ``(s, mlp_output)`` as megatron's
+    stream travels unsummed: a layer returns ``(s, (mlp_output, fc2_bias))`` as megatron's
     ``(hidden_states, context)`` pair, which TransformerBlock hands to the next layer (a ViT
-    has no cross-attention context). The last layer of a block (of a pipeline stage) returns
-    the sum and ``None``, so what leaves a block is what megatron's layer returns. Hidden
-    dropout, when set, drops ``x + bias`` before the add, as megatron's bias-dropout-add.
+    has no cross-attention context), and the next layer's kernel adds both and sums fc2's
+    bias gradient too. The last layer of a block (of a pipeline stage) returns the sum and
+    ``None``, so what leaves a block is what megatron's layer returns. Hidden dropout, when
+    set, drops ``x + bias`` before the add, as megatron's bias-dropout-add.
     """
 
     def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
@@ -147,7 +148,8 @@ class ResidualNormLayer(TransformerLayer):
             normed = F.layer_norm(residual, (residual.shape[-1],), attn_norm.layer_norm_weight,
                                   attn_norm.layer_norm_bias, eps)
         else:
-            residual, normed = add_layer_norm(context, hidden_states, None,
+            out, bias = context
+            residual, normed = add_layer_norm(out, hidden_states, bias,
                                               attn_norm.layer_norm_weight,
                                               attn_norm.layer_norm_bias, eps)
         out, bias = self.self_attention(
@@ -157,11 +159,11 @@ class ResidualNormLayer(TransformerLayer):
         residual, normed = add_layer_norm(out, residual, bias, mlp_norm.layer_norm_weight,
                                           mlp_norm.layer_norm_bias, eps)
         out, bias = self._dropped(*self.mlp(normed))
-        if bias is not None:
-            out = out + bias
         if self.closes_stream:
-            return residual + out, None
-        return residual, out
+            return (out if bias is None else out + bias) + residual, None
+        # the bias as a tensor of this layer's making: a layer's CUDA graph outputs its own
+        # buffers, not a parameter
+        return residual, (out, None if bias is None else bias.clone())
 
 
 class SDPAttention(MegatronModule):
@@ -305,12 +307,14 @@ def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False,
         spec.submodules.mlp.module = BiasActMLP  # fc1 (TE's, LN fused) returns its bias
         spec.submodules.mlp.submodules.linear_fc2 = row
         if fused_norm:
-            # the projection returns its bias to the fused add, whose kernel sums its gradient
+            # the projection and fc2 return their biases to the fused adds, whose kernels sum
+            # their gradients (megatron's MLP and attention build them with skip_bias_add)
             from megatron.core.extensions.transformer_engine import TERowParallelLinear
             spec.module = ResidualNormLayer
             attention.linear_qkv = _te_column_parallel_with_norm_params()
             attention.linear_proj = TERowParallelLinear
             spec.submodules.mlp.submodules.linear_fc1 = _te_column_parallel_with_norm_params()
+            spec.submodules.mlp.submodules.linear_fc2 = TERowParallelLinear
         return spec
     if name == "torch":
         return _layer_spec(LayerNormColumnParallelLinear, SDPAttention, RowParallelLinear,
