@@ -136,7 +136,7 @@ def test_fused_add_layer_norm_equals_torch(dtype):
 def test_fused_norm_layer_agrees_with_megatrons_te_layer(dist1):
     """ResidualNormLayer on TE's linears against megatron's TransformerLayer with TE's
     LayerNormLinear, same weights, bf16; and its kernels: the Triton add + norm where the adds
-    and TE's norms were (one plain norm per block, for its first layer), no broadcast add."""
+    and TE's norms were, no broadcast add."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     from vitgraph.models.specs import ResidualNormLayer
@@ -169,9 +169,39 @@ def test_fused_norm_layer_agrees_with_megatrons_te_layer(dist1):
             [e.key for e in events]
     calls, keys = kernels(fused)
     plain_calls, plain_keys = kernels(plain)
-    assert calls("_add_ln_forward") == 2 * layers - 1, keys
-    assert calls("_add_ln_backward") == 2 * layers - 1, keys
+    # forward: 2 per layer, the first layer's norm without an add, the last layer's add
+    # without a norm, the final norm; backward: the same less the plain add (a column sum)
+    assert calls("_add_ln_forward") == 2 * layers + 2, keys
+    assert calls("_add_ln_backward") == 2 * layers + 1, keys
     # TE's LayerNorm kernels (which megatron's layer runs) are gone
     assert plain_calls("ln_fwd") >= 2 * layers and plain_calls("ln_bwd") >= 2 * layers, plain_keys
     assert calls("ln_fwd") + calls("ln_bwd") == 0, keys
     assert calls("CUDAFunctor_add", "gpu_kernel_impl_nocast") < layers, keys
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_plain_layer_norm_and_add_equal_torch(dtype):
+    """The same kernels as a plain LayerNorm and as a residual + bias add, against torch."""
+    import torch.nn.functional as F
+    from vitgraph.models import fused_norm
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for shape in [(197, 3, 1000), (7, 130)]:
+        n = shape[-1]
+        x = (torch.randn(shape, device="cuda", generator=g) * 3).to(dtype).requires_grad_()
+        r = torch.randn(shape, device="cuda", generator=g).to(dtype).requires_grad_()
+        w = (torch.randn(n, device="cuda", generator=g) * 0.1 + 1).to(dtype).requires_grad_()
+        b = (torch.randn(n, device="cuda", generator=g) * 0.1).to(dtype).requires_grad_()
+        dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
+        y = fused_norm.layer_norm(x, w, b, 1e-6)
+        s = fused_norm.add(x, r, b)
+        assert "LayerNorm" in type(y.grad_fn).__name__ and "Add" in type(s.grad_fn).__name__
+        torch.autograd.backward([y, s], [dy, dy])
+        ref = [t.detach().float().requires_grad_() for t in (x, r, w, b)]
+        xr, rr, wr, br = ref
+        torch.autograd.backward([F.layer_norm(xr, (n,), wr, br, 1e-6), (xr + br) + rr],
+                                [dy.float(), dy.float()])
+        assert _rel(y, F.layer_norm(xr, (n,), wr, br, 1e-6)) < tol
+        assert _rel(s, (xr + br) + rr) < tol
+        for t, tr in zip((x, r, w, b), ref):
+            assert _rel(t.grad, tr.grad) < tol, tuple(t.shape)

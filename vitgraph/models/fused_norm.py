@@ -15,7 +15,9 @@ kernels over the same [tokens, hidden] tensors. Here:
 ``s`` is rounded to the activation dtype before it is normalised, as the unfused add then
 LayerNorm do, and the backward reads that rounded ``s``. Tile sizes are fixed (no autotune)
 so that the parameter gradients' summation order, and so their bits, are the same in every
-run. Elsewhere (CPU, no Triton, or another dtype) ``add_layer_norm`` is the same math in torch.
+run. The same kernels give a plain LayerNorm (``layer_norm``, ``LayerNorm``) and a plain add of
+a residual and a bias (``add``). Elsewhere (CPU, no Triton, or another dtype) each is the same
+math in torch.
 """
 from __future__ import annotations
 
@@ -32,29 +34,32 @@ except ImportError:  # the CPU install
 if triton is not None:
     @triton.jit
     def _add_ln_forward(x_ptr, r_ptr, bias_ptr, w_ptr, b_ptr, s_ptr, y_ptr, mean_ptr, rstd_ptr,
-                        M, N, eps, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        M, N, eps, HAS_R: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # HAS_R: add a residual and store the sum (else normalise x as it is); NORM: normalise
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         rmask, cmask = rows < M, cols < N
         mask = rmask[:, None] & cmask[None, :]
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        s = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-             + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             s += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        s_low = s.to(s_ptr.dtype.element_ty)
-        tl.store(s_ptr + offs, s_low, mask=mask)
-        s = s_low.to(tl.float32)
-        mean = tl.sum(s, axis=1) / N
-        d = tl.where(mask, s - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        y = d * rstd[:, None] * w[None, :] + b[None, :]
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(mean_ptr + rows, mean, mask=rmask)
-        tl.store(rstd_ptr + rows, rstd, mask=rmask)
+        if HAS_R:
+            s += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            s_low = s.to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + offs, s_low, mask=mask)
+            s = s_low.to(tl.float32)
+        if NORM:
+            mean = tl.sum(s, axis=1) / N
+            d = tl.where(mask, s - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / N + eps)
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            y = d * rstd[:, None] * w[None, :] + b[None, :]
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(mean_ptr + rows, mean, mask=rmask)
+            tl.store(rstd_ptr + rows, rstd, mask=rmask)
 
     @triton.jit
     def _add_ln_backward(dy_ptr, dsum_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, ds_ptr, part_ptr,
@@ -105,16 +110,20 @@ FORWARD = dict(BLOCK_M=2, num_warps=4)
 BACKWARD = dict(BLOCK_M=1, num_warps=4, per_sm=8)
 
 
-def launch_forward(x, r, bias, w, b, eps: float, cfg: dict = FORWARD):
-    """x, r: [M, N] contiguous. Returns s, y, mean, rstd."""
+def launch_forward(x, r, bias, w, b, eps: float, cfg: dict = FORWARD, norm: bool = True):
+    """x, r: [M, N] contiguous (r None: normalise x itself, s is x). Returns s, y, mean, rstd
+    (y, mean, rstd None without ``norm``)."""
     m, n = x.shape
-    s, y = torch.empty_like(x), torch.empty_like(x)
-    mean = torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
+    s = x if r is None else torch.empty_like(x)
+    y = torch.empty_like(x) if norm else None
+    mean = torch.empty(m, dtype=torch.float32, device=x.device) if norm else None
+    rstd = torch.empty_like(mean) if norm else None
     grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-    _add_ln_forward[grid](x, r, w if bias is None else bias, w, b, s, y, mean, rstd, m, n, eps,
-                          HAS_BIAS=bias is not None, BLOCK_M=cfg["BLOCK_M"],
-                          BLOCK_N=triton.next_power_of_2(n), num_warps=cfg["num_warps"])
+    _add_ln_forward[grid](x, x if r is None else r, x if bias is None else bias, w, b, s,
+                          x if y is None else y, mean if norm else x, rstd if norm else x,
+                          m, n, eps, HAS_R=r is not None, HAS_BIAS=bias is not None,
+                          NORM=norm, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=triton.next_power_of_2(n),
+                          num_warps=cfg["num_warps"])
     return s, y, mean, rstd
 
 
@@ -161,17 +170,77 @@ class _AddLayerNorm(torch.autograd.Function):
                 None)
 
 
-def fused_available(x: torch.Tensor) -> bool:
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, eps: float):
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n)
+        _, y, mean, rstd = launch_forward(x2, None, None, w, b, eps)
+        ctx.save_for_backward(x2, w, mean, rstd)
+        ctx.dtypes = (w.dtype, b.dtype)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, mean, rstd = ctx.saved_tensors
+        n = x.shape[-1]
+        dx, dw, db, _ = launch_backward(dy.reshape(-1, n).contiguous(), None, x, w, mean, rstd,
+                                        False)
+        return dx.view(dy.shape), dw.to(ctx.dtypes[0]), db.to(ctx.dtypes[1]), None
+
+
+class _Add(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, r, bias):
+        n = x.shape[-1]
+        s, *_ = launch_forward(x.reshape(-1, n), r.reshape(-1, n), bias, x, x, 0.0, norm=False)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return s.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds):
+        dbias = None
+        if ctx.bias_dtype is not None:
+            dbias = ds.reshape(-1, ds.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return ds, ds, dbias
+
+
+def fused_available(*tensors: torch.Tensor) -> bool:
+    x = tensors[0]
     return (triton is not None and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and all(t.shape == x.shape and t.dtype == x.dtype for t in tensors[1:]))
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None,
                    weight: torch.Tensor, norm_bias: torch.Tensor, eps: float):
     """``s = (x + bias) + residual`` and ``LN(s)`` over the last dimension; returns (s, LN(s)).
     One Triton kernel each way on CUDA."""
-    if fused_available(x) and x.shape == residual.shape and x.dtype == residual.dtype:
+    if fused_available(x, residual):
         return _AddLayerNorm.apply(x.contiguous(), residual.contiguous(), bias, weight,
                                    norm_bias, eps)
     s = (x if bias is None else x + bias) + residual
     return s, F.layer_norm(s, (s.shape[-1],), weight, norm_bias, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+    """LayerNorm over the last dimension with the same kernels (on an H200, torch's backward
+    spent 245 us in its weight-gradient kernel alone for a ViT-L token tensor at mb 256)."""
+    if fused_available(x) and weight is not None and bias is not None:
+        return _LayerNorm.apply(x.contiguous(), weight, bias, eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def add(x: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(x + bias) + residual`` in one pass (torch's broadcast add of a bias is a slow kernel
+    of its own); the bias gradient is one column sum."""
+    if fused_available(x, residual):
+        return _Add.apply(x.contiguous(), residual.contiguous(), bias)
+    return (x if bias is None else x + bias) + residual
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """torch.nn.LayerNorm (same parameters and state dict) through ``layer_norm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)

@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.utils import get_pg_rank
 
 from vitgraph.models.fused_act import bias_act
-from vitgraph.models.fused_norm import add_layer_norm
+from vitgraph.models.fused_norm import add, add_layer_norm, layer_norm
 
 SPECS = ("te", "torch")
 
@@ -145,8 +145,8 @@ class ResidualNormLayer(TransformerLayer):
         eps = self.config.layernorm_epsilon
         if context is None:  # the block's first layer: the stream arrives summed
             residual = hidden_states
-            normed = F.layer_norm(residual, (residual.shape[-1],), attn_norm.layer_norm_weight,
-                                  attn_norm.layer_norm_bias, eps)
+            normed = layer_norm(residual, attn_norm.layer_norm_weight, attn_norm.layer_norm_bias,
+                                eps)
         else:
             out, bias = context
             residual, normed = add_layer_norm(out, hidden_states, bias,
@@ -160,7 +160,7 @@ class ResidualNormLayer(TransformerLayer):
                                           mlp_norm.layer_norm_bias, eps)
         out, bias = self._dropped(*self.mlp(normed))
         if self.closes_stream:
-            return (out if bias is None else out + bias) + residual, None
+            return add(out, residual, bias), None
         # the bias as a tensor of this layer's making: a layer's CUDA graph outputs its own
         # buffers, not a parameter
         return residual, (out, None if bias is None else bias.clone())

@@ -34,6 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vitgraph.models.fused_norm import LayerNorm
 from vitgraph.models.registry import ViTArch
 
 
@@ -85,14 +86,15 @@ class ViT(MegatronModule):
             for p in self._prefix_params():
                 torch.nn.init.trunc_normal_(p, std=0.02)
             if ln_pre:
-                self.ln_pre = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon,
-                                                 device=device, dtype=dtype)
+                self.ln_pre = LayerNorm(d, eps=config.layernorm_epsilon, device=device,
+                                        dtype=dtype)
         self.decoder = TransformerBlock(config, layer_spec, post_layer_norm=False,
                                         pre_process=pre_process, post_process=post_process,
                                         vp_stage=vp_stage)
         if post_process:
-            self.final_norm = torch.nn.LayerNorm(d, eps=config.layernorm_epsilon,
-                                                 device=device, dtype=dtype)
+            # vitgraph.models.fused_norm's kernels: torch's LayerNorm backward was slow here
+            self.final_norm = LayerNorm(d, eps=config.layernorm_epsilon, device=device,
+                                        dtype=dtype)
             if head == "map":
                 self.attn_pool = AttentionPool(d, arch.num_heads, arch.ffn_hidden_size, config,
                                                device=device, dtype=dtype)
