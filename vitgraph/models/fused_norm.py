@@ -106,8 +106,10 @@ if triton is not None:
 # From a sweep on an H200 at ViT-L and ViT-B widths, 50,432 rows (benchmarks/
 # h200-2026-12-01-s10/call3/norm_sweep.json): forward 100.6 / 76.6 us, backward 126.7 /
 # 110.2 us (4 passes over the tensor: 3.3-4.1 TB/s), against 103 / 151 us for the first tiles.
+# min_rows: rows per backward program at least, so that a small batch (ViT-L at mb 8: 1,576
+# rows) does not pay for a thousand partial-sum rows
 FORWARD = dict(BLOCK_M=2, num_warps=4)
-BACKWARD = dict(BLOCK_M=1, num_warps=4, per_sm=8)
+BACKWARD = dict(BLOCK_M=1, num_warps=4, per_sm=8, min_rows=8)
 
 
 def launch_forward(x, r, bias, w, b, eps: float, cfg: dict = FORWARD, norm: bool = True):
@@ -132,7 +134,8 @@ def launch_backward(dy, dsum, s, w, mean, rstd, has_bias: bool, cfg: dict = BACK
     without one). ``dsum``: the gradient reaching ``s`` from later on, or None."""
     m, n = s.shape
     sms = torch.cuda.get_device_properties(s.device).multi_processor_count if s.is_cuda else 2
-    programs = max(1, min(triton.cdiv(m, cfg["BLOCK_M"]), sms * cfg["per_sm"]))
+    rows = max(cfg["BLOCK_M"], cfg.get("min_rows", 1))
+    programs = max(1, min(triton.cdiv(m, rows), sms * cfg["per_sm"]))
     ds = torch.empty_like(s)
     part = torch.empty((3, programs, n), dtype=torch.float32, device=s.device)
     _add_ln_backward[(programs,)](dy, dy if dsum is None else dsum, s, w, mean, rstd, ds, part,
