@@ -110,7 +110,7 @@ def test_mlp_adds_fc1_bias_with_the_activation(dist1):
     still LN -> fc1 -> GELU -> fc2, fc2's bias returned for the layer's bias-dropout-add."""
     import torch.nn.functional as F
     from vitgraph.models.specs import BiasActMLP
-    model, _ = build(dist1, "model.fused_norm=false")
+    model, _ = build(dist1, "model.fused_norm=never")
     mlp = model.decoder.layers[0].mlp
     assert isinstance(mlp, BiasActMLP)
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
@@ -141,8 +141,8 @@ def test_fused_norm_layer_computes_what_megatrons_layer_does(dist1, dropout):
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from vitgraph.models.specs import ResidualNormLayer
     over = [f"model.hidden_dropout={dropout}", "model.num_layers=3"]
-    fused, _ = build(dist1, *over)
-    plain, _ = build(dist1, *over, "model.fused_norm=false")
+    fused, _ = build(dist1, *over, "model.fused_norm=always")
+    plain, _ = build(dist1, *over, "model.fused_norm=never")
     assert all(type(l) is ResidualNormLayer for l in fused.decoder.layers)
     assert all(type(l) is TransformerLayer for l in plain.decoder.layers)
     assert [l.closes_stream for l in fused.decoder.layers] == [False, False, True]
@@ -165,7 +165,7 @@ def test_fused_norm_layer_computes_what_megatrons_layer_does(dist1, dropout):
 def test_fused_norm_layer_hands_the_stream_on_unsummed(dist1):
     """Between layers the stream travels as (sum so far, (last MLP output, its bias)) in
     megatron's (hidden, context) pair; the last layer of the block returns the sum and None."""
-    fused, _ = build(dist1, "model.num_layers=2")
+    fused, _ = build(dist1, "model.num_layers=2", "model.fused_norm=always")
     first, last = fused.decoder.layers
     x = torch.randn(65, 2, first.config.hidden_size)
     with torch.no_grad():
@@ -178,3 +178,21 @@ def test_fused_norm_layer_hands_the_stream_on_unsummed(dist1):
         last.closes_stream = False
         s, (o, b) = last(hidden_states=residual, context=pending)
         torch.testing.assert_close(out, (o + b) + s)
+
+
+def test_fused_norm_auto_decides_by_the_micro_batch_tokens(dist1):
+    """model.fused_norm=auto: the fused layer from FUSED_NORM_MIN_TOKENS tokens in a training
+    micro-batch (faster there on an H200, slower for small ones); never under FP8."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from vitgraph.models.specs import ResidualNormLayer
+    from vitgraph.parallel.setup import FUSED_NORM_MIN_TOKENS, use_fused_norm
+    small, cfg = build(dist1, "train.micro_batch_size=8", "train.global_batch_size=8")
+    assert type(small.decoder.layers[0]) is TransformerLayer  # 8 x 65 tokens
+    mb = -(-FUSED_NORM_MIN_TOKENS // small.seq_len)
+    large, _ = build(dist1, f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}")
+    assert type(large.decoder.layers[0]) is ResidualNormLayer
+    assert use_fused_norm(cfg, 1) is False
+    cfg.model.fused_norm = "always"
+    assert use_fused_norm(cfg, 1) is True
+    cfg.train.precision = "fp8"
+    assert use_fused_norm(cfg, 10 ** 9) is False

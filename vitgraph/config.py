@@ -53,10 +53,12 @@ class ModelConfig:
     # TE spec on GPU: weight-gradient GEMMs accumulate straight into megatron DDP's fp32
     # main_grad (no per-parameter accumulation hook work); ignored by the torch spec
     gradient_accumulation_fusion: bool = True
-    # each residual add inside the LayerNorm that reads it: one Triton kernel each way on a
-    # GPU (vitgraph.models.specs.ResidualNormLayer); not for train.precision=fp8, whose TE
-    # norms write FP8 for the GEMM after them
-    fused_norm: bool = True
+    # each residual add inside the LayerNorm that reads it, one Triton kernel each way on a
+    # GPU (vitgraph.models.specs.ResidualNormLayer): always | never | auto (when a training
+    # micro-batch holds at least vitgraph.parallel.setup.FUSED_NORM_MIN_TOKENS tokens: faster
+    # for large micro-batches, slower for small ones). Never with train.precision=fp8, whose
+    # TE norms write FP8 for the GEMM after them
+    fused_norm: str = "auto"
     # start from these weights (.safetensors, .pth, .bin; timm, Hugging Face or vitgraph names,
     # see vitgraph/convert). A head of another class count is re-initialised, position
     # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
@@ -256,6 +258,7 @@ class Config:
 CHOICES = {
     "model.spec": ("auto", "te", "torch"),
     "model.pool": ("cls", "mean"),
+    "model.fused_norm": ("auto", "always", "never"),
     "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
     "data.kind": ("shapes", "imagefolder", "webdataset"),
     "data.decode": ("cpu", "cuda", "auto"),

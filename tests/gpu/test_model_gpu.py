@@ -141,8 +141,8 @@ def test_fused_norm_layer_agrees_with_megatrons_te_layer(dist1):
     from torch.profiler import ProfilerActivity, profile
     from vitgraph.models.specs import ResidualNormLayer
     layers = 4
-    fused = _build(dist1, "te", f"model.num_layers={layers}")
-    plain = _build(dist1, "te", f"model.num_layers={layers}", "model.fused_norm=false")
+    fused = _build(dist1, "te", f"model.num_layers={layers}", "model.fused_norm=always")
+    plain = _build(dist1, "te", f"model.num_layers={layers}", "model.fused_norm=never")
     assert all(isinstance(l, ResidualNormLayer) for l in fused.decoder.layers)
     with torch.no_grad():
         torch.nn.init.normal_(fused.head.weight, std=0.02)

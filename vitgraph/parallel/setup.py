@@ -196,9 +196,20 @@ def use_bf16(cfg: Config, d: Dist) -> bool:
     return cfg.train.precision in ("bf16", "fp8")
 
 
-def use_fused_norm(cfg: Config) -> bool:
-    """ResidualNormLayer (vitgraph.models.specs) for this run."""
-    return cfg.model.fused_norm and cfg.train.precision != "fp8"
+# model.fused_norm=auto: the fused residual add + LayerNorm from this many tokens in a training
+# micro-batch. ViT-L/16 step graphs on an H200 (benchmarks/h200-2026-12-01-s10): at mb 256
+# (50,432 tokens) 1,276.8 img/s fused against 1,259.7; at mb 8 (1,576) 550.7 against 572.4
+# (the fused kernels' fixed costs: partial-sum reductions, small launches). A straight line
+# through the two puts the crossing near 11,000 tokens; nothing between them was measured.
+FUSED_NORM_MIN_TOKENS = 16384
+
+
+def use_fused_norm(cfg: Config, tokens: int) -> bool:
+    """ResidualNormLayer (vitgraph.models.specs) for this run; ``tokens``: a training
+    micro-batch's tokens (micro-batch x sequence length) in the encoder it is for."""
+    if cfg.train.precision == "fp8" or cfg.model.fused_norm == "never":
+        return False
+    return cfg.model.fused_norm == "always" or tokens >= FUSED_NORM_MIN_TOKENS
 
 
 FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}
@@ -278,7 +289,10 @@ def build_model(cfg: Config, d: Dist, num_classes: int) -> list[ViT]:
     # the padding mask costs a little in attention: only layers that may see padding get it
     # (eval batches of other sizes are filled up instead: Trainer.evaluate)
     pad = token_padding(cfg, cfg.train.micro_batch_size)
-    layer_spec = get_layer_spec(spec, padding_mask=pad > 1, fused_norm=use_fused_norm(cfg))
+    mb = cfg.train.micro_batch_size
+    tokens = mb * (int(cfg.model.class_token) + cfg.model.num_registers + arch.num_patches())
+    layer_spec = get_layer_spec(spec, padding_mask=pad > 1,
+                                fused_norm=use_fused_norm(cfg, tokens))
     chunks = []
     for vp in range(d.vpp):
         first = d.is_first_stage and vp == 0

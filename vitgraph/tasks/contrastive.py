@@ -106,11 +106,14 @@ class ContrastiveTask(Task):
         bias = None
         if self.loss_name == "siglip" and self.arch.init_logit_bias is None:
             bias = -10.0  # SigLIP's initial bias, for a pair registered without one
+        # the fused norms are decided on the image tower's tokens, for both towers
+        tokens = int(self.arch.class_token) + self.arch.vision.num_patches()
         model = build_clip(self.arch, transformer_config(cfg, d), resolve_spec(cfg.model.spec),
                            seed=cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
                            context_length=self.context_length,
                            pad_to=(lambda b: token_padding(cfg, b)) if pad > 1 else None,
-                           init_logit_bias=bias, fused_norm=use_fused_norm(cfg))
+                           init_logit_bias=bias,
+                           fused_norm=use_fused_norm(cfg, cfg.train.micro_batch_size * tokens))
         v, t = self.arch.vision, self.arch.text
         n_text = sum(p.numel() for p in model.text.parameters()) - t.vocab_size * t.hidden_size
         self.flops_per_sample = (
