@@ -42,11 +42,14 @@ def params(t):
     return [p.detach().float().clone() for c in t.chunks for p in c.parameters()]
 
 
-def test_step_graphs_equal_eager_on_one_gpu(tmp_path):
+# both layer kinds: auto picks megatron's layer for these small micro-batches
+@pytest.mark.parametrize("fused_norm", ["never", "always"])
+def test_step_graphs_equal_eager_on_one_gpu(tmp_path, fused_norm):
     runs = {}
     for name, over in {"eager": [], "step-eager": [*STEP, "graphs.warmup_steps=1000"],
                        "step-graphs": [*STEP, "graphs.warmup_steps=3"]}.items():
-        t = make_trainer(tmp_path / name, *TWO_MICROBATCHES, *over)
+        t = make_trainer(tmp_path / name, *TWO_MICROBATCHES, *over,
+                         f"model.fused_norm={fused_norm}")
         try:
             runs[name] = (run_steps(t, 0, 20), params(t), t.graphs.stats() if t.graphs else None)
         finally:
@@ -104,7 +107,8 @@ def test_step_graphs_capture_again_after_a_checkpoint_load(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_step_graphs_equal_eager_with_two_data_parallel_ranks(tmp_path):
+@pytest.mark.parametrize("fused_norm", ["never", "always"])
+def test_step_graphs_equal_eager_with_two_data_parallel_ranks(tmp_path, fused_norm):
     """torchrun, dp=2 with the distributed optimizer: the graph holds the gradient
     reduce-scatter, the sharded AdamW step and the parameter all-gather."""
     def train(name, *extra):
@@ -116,7 +120,7 @@ def test_step_graphs_equal_eager_with_two_data_parallel_ranks(tmp_path):
                "model.num_layers=2", "train.steps=20", "train.global_batch_size=32",
                "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
                "train.tensorboard=false", "train.progress=false", "data.workers=2",
-               f"run.dir={run}", *STEP, *extra]
+               f"run.dir={run}", f"model.fused_norm={fused_norm}", *STEP, *extra]
         r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         return [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()
