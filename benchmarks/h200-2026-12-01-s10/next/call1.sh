@@ -6,7 +6,8 @@
 #    the ratio's spread on one machine (calls 4 and 5 gave 1.098x and 1.081x on two machines).
 # 3. Layer graphs at mb 8 with 8 and with 32 hardware queues (190-211 img/s now, 322.6 in the
 #    sixth session; the ninth session's queue default is one suspect).
-# 4. Two GPUs: the dp=2 step-graph test and gpu_check.sh multi with the fused layer.
+# 4. Two GPUs: the dp=2 step-graph test for both layer kinds, and gpu_check.sh multi (its mb 8
+#    runs megatron's layer under auto).
 export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 G=/tmp/n1; rm -rf $G; mkdir -p $G; T0=$(date +%s)
 mark() { echo "$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*" >> $G/marks.txt; }
