@@ -317,3 +317,32 @@ def test_both_towers_run_under_the_graph_manager(dist1, name):
             torch.testing.assert_close(pg.grad, pe.grad, rtol=1e-5, atol=1e-7, msg=n)
     stats = mgr.stats()
     assert stats["captures"] > 0 and stats["replays"] > 0, stats
+
+
+@pytest.mark.parametrize("name", ["clip_tiny_patch4_32", "siglip_tiny_patch4_32"])
+def test_fused_norm_towers_compute_what_megatrons_layers_do(dist1, name):
+    """Both towers with ResidualNormLayer (the causal text tower included) against megatron's
+    layer, same weights: the same embeddings and gradients."""
+    from vitgraph.models.clip import build_clip
+    from vitgraph.models.specs import ResidualNormLayer
+    fused = build_clip(name, base_config(dist1), "torch", seed=3, fused_norm=True)
+    plain = build_clip(name, base_config(dist1), "torch", seed=3, fused_norm=False)
+    assert isinstance(fused.text.decoder.layers[0], ResidualNormLayer)
+    assert isinstance(fused.visual.decoder.layers[0], ResidualNormLayer)
+    plain.load_state_dict(fused.state_dict())
+    imgs = torch.randn(3, 3, 32, 32)
+    toks = tokens(["a red star", "a small blue circle on a white background", "x"],
+                  fused.text.context_length)
+    grads = []
+    for model in (fused, plain):
+        img, txt, scale, *_ = model(imgs, toks)  # SigLIP also returns its logit bias
+        (scale * img @ txt.T).logsumexp(dim=-1).sum().backward()
+        grads.append(((img, txt), {n: p.grad for n, p in model.named_parameters()}))
+    (outs_f, grads_f), (outs_p, grads_p) = grads
+    for a, b in zip(outs_f, outs_p):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for n in grads_p:
+        if grads_p[n] is None:
+            assert grads_f[n] is None, n
+        else:
+            torch.testing.assert_close(grads_f[n], grads_p[n], rtol=1e-4, atol=1e-6, msg=n)
