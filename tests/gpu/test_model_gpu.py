@@ -24,26 +24,31 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _assert_same_function(model, other) -> torch.Tensor:
+    """``other`` given ``model``'s weights (TE's ``_extra_state`` aside) computes the same
+    logits and parameter gradients in bf16; returns the input used."""
+    missing, unexpected = other.load_state_dict(model.state_dict(), strict=False)
+    assert not missing, missing
+    assert all(k.endswith("_extra_state") for k in unexpected), unexpected
+    x = torch.randn(8, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+    out, out_other = model(x), other(x)
+    assert _rel(out, out_other) < 2e-2
+    out.float().square().sum().backward()
+    out_other.float().square().sum().backward()
+    grads = dict(other.named_parameters())
+    for name, p in model.named_parameters():
+        assert _rel(p.grad, grads[name].grad) < 5e-2, name
+    return x
+
+
 def test_te_and_torch_specs_agree(dist1):
     te_model = _build(dist1, "te", "model.num_registers=4")
     torch_model = _build(dist1, "torch", "model.num_registers=4")
     with torch.no_grad():
         torch.nn.init.normal_(te_model.head.weight, std=0.02)
-    state = te_model.state_dict()
-    missing, unexpected = torch_model.load_state_dict(state, strict=False)
-    assert not missing, missing
-    assert all(k.endswith("_extra_state") for k in unexpected), unexpected
     assert {n: p.shape for n, p in te_model.named_parameters()} == \
         {n: p.shape for n, p in torch_model.named_parameters()}
-
-    x = torch.randn(8, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
-    out_te, out_torch = te_model(x), torch_model(x)
-    assert _rel(out_te, out_torch) < 2e-2
-    out_te.float().square().sum().backward()
-    out_torch.float().square().sum().backward()
-    grads_te = dict(te_model.named_parameters())
-    for name, p in torch_model.named_parameters():
-        assert _rel(grads_te[name].grad, p.grad) < 5e-2, name
+    _assert_same_function(te_model, torch_model)
 
 
 def test_te_layers_copy_no_qkv_gradient_and_add_no_bias_outside_a_gemm(dist1):
@@ -149,16 +154,7 @@ def test_fused_norm_layer_agrees_with_megatrons_te_layer(dist1):
         for n, p in fused.named_parameters():
             if "layer_norm" in n or n.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    missing, unexpected = plain.load_state_dict(fused.state_dict(), strict=False)
-    assert not missing and all(k.endswith("_extra_state") for k in unexpected), (missing, unexpected)
-    x = torch.randn(8, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
-    out_f, out_p = fused(x), plain(x)
-    assert _rel(out_f, out_p) < 2e-2
-    out_f.float().square().sum().backward()
-    out_p.float().square().sum().backward()
-    grads_p = dict(plain.named_parameters())
-    for name, p in fused.named_parameters():
-        assert _rel(p.grad, grads_p[name].grad) < 5e-2, name
+    x = _assert_same_function(fused, plain)
 
     def kernels(model):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
