@@ -135,6 +135,46 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path, env):
     assert "rank 0" in log and re.search(r"timed out|timeout", log, re.I), log[-3000:] + text[-3000:]
 
 
+STOP_EXCHANGE_LEFT_PENDING = """
+import datetime, os, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from vitgraph.train.preempt import StopRequests
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+stops = StopRequests(datetime.timedelta(seconds=2))
+stops.poll(); stops.poll()  # the group is made, one exchange completed on both ranks
+done = Path(sys.argv[1])
+dist.barrier()
+if dist.get_rank() == 1:  # frozen: never joins the next exchange
+    deadline = time.time() + 40
+    while not done.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    os._exit(0)
+stops.poll()  # an exchange rank 1 never joins
+start = time.time()
+stops.close(wait=False)
+del stops
+dist.destroy_process_group()  # frees the groups: gloo's destructor waits for that exchange
+done.write_text(f"{time.time() - start:.1f}")
+os._exit(0)
+"""
+
+
+@pytest.mark.multiproc
+def test_a_stop_exchange_left_pending_ends_within_the_run_timeout(tmp_path):
+    """The stuck-rank test above hung in CI (1 run in ~10): its failing rank's last
+    stop-request exchange waited on the frozen peer for gloo's default 30 minutes at exit.
+    Here that exchange is left pending on purpose; the group gets the run's timeout (2 s)."""
+    script, done = tmp_path / "worker.py", tmp_path / "done"
+    script.write_text(STOP_EXCHANGE_LEFT_PENDING)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(done)]
+    r = subprocess.run(cmd, env=dict(clean_env(), OMP_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert float(done.read_text()) < 30  # without the run's timeout: until rank 1 leaves (40 s)
+
+
 def test_two_interleaved_stages_never_batch_their_p2p():
     """pp=2 x vpp: the previous and the next stage are one peer, and a batched exchange swaps
     activation and gradient (seen on two H200s; pp2-vpp2 above fails on gloo when batched).

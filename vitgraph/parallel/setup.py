@@ -92,7 +92,7 @@ def init_distributed(cfg: Config) -> Dist:
             os.environ["NCCL_GRAPH_REGISTER"] = "0"
     else:
         device = torch.device("cpu")
-    timeout = datetime.timedelta(minutes=p.timeout_minutes)
+    timeout = collective_timeout(cfg)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 timeout=timeout, device_id=device if cuda else None)
@@ -168,6 +168,12 @@ def destroy_model_parallel() -> None:
             dist.destroy_process_group(group)
         except ValueError:  # "Invalid process group": one megatron already destroyed
             pass
+
+
+def collective_timeout(cfg: Config) -> datetime.timedelta:
+    """parallel.timeout_minutes: every process group of a run gets it (torch's default for a
+    new gloo group is 30 minutes, whatever the default group has)."""
+    return datetime.timedelta(minutes=cfg.parallel.timeout_minutes)
 
 
 def shutdown(failed: bool = False) -> None:

@@ -22,7 +22,8 @@ from vitgraph.data.prefetch import Prefetcher
 from vitgraph.data.shards import EncodedImages
 from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.vit import unwrap
-from vitgraph.parallel.setup import Dist, init_distributed, parallelize, shutdown, use_bf16
+from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed, parallelize,
+                                     shutdown, use_bf16)
 from vitgraph.tasks import make_task
 from vitgraph.tasks.base import reduce_stats
 from vitgraph.train import checkpoint
@@ -365,7 +366,7 @@ class Trainer:
         self.maybe_resume()
         t = cfg.train
         if self.stops is None:
-            self.stops = StopRequests().install()
+            self.stops = StopRequests(collective_timeout(cfg)).install()
         health = StepHealth(t.max_bad_steps)
         nan_steps = parse_steps(t.inject_nan_steps)
         if nan_steps:
@@ -519,7 +520,7 @@ def train(cfg: Config) -> dict:
             print(done, flush=True)
         return done.metrics
     trainer, failed = None, False
-    stops = StopRequests().install()
+    stops = StopRequests(collective_timeout(cfg)).install()
     try:
         trainer = Trainer(cfg)
         trainer.stops = stops

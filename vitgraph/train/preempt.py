@@ -2,6 +2,7 @@
 saves a checkpoint and exits with ``PREEMPTED_EXIT``; the same command resumes."""
 from __future__ import annotations
 
+import datetime
 import signal
 
 import torch
@@ -19,9 +20,15 @@ class Preempted(Exception):
 class StopRequests:
     """Signal handlers that only set a flag; ``poll()`` tells every rank to stop at the same
     step. Ranks agree over a gloo group (a CPU collective: no device sync), and the agreement
-    started at one step is read at the next, so the check never waits on the network."""
+    started at one step is read at the next, so the check never waits on the network.
 
-    def __init__(self):
+    ``timeout``: the run's collective timeout, given to that group. A failing rank's last
+    exchange may wait on a frozen peer, and the group's destructor waits for it at exit: with
+    gloo's default (30 minutes) such a rank outlived its own failure and torchrun never
+    stopped the run."""
+
+    def __init__(self, timeout: datetime.timedelta):
+        self.timeout = timeout
         self.received: str | None = None
         self._previous: dict = {}
         self._group = None
@@ -46,7 +53,7 @@ class StopRequests:
         if self._group is None:
             if not dist.is_initialized() or dist.get_world_size() == 1:
                 return self.received is not None
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         stop = False
         if self._work is not None:
             self._work.wait()
@@ -57,8 +64,8 @@ class StopRequests:
         return stop
 
     def close(self, wait: bool = True) -> None:
-        """``wait=False`` on a failing run: the last flag exchange may never complete (a peer
-        is stuck or gone), and its group has gloo's default 30-minute timeout, not the run's."""
+        """``wait=False`` on a failing run: the last flag exchange may not complete before
+        the group's timeout (a peer is stuck or gone)."""
         if self._work is not None:
             if wait:
                 try:
