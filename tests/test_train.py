@@ -48,11 +48,13 @@ def test_train_end_to_end_writes_metrics_and_run_dir(tmp_path, env):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000030"
 
 
-def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env):
+def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env, capsys):
+    """Only the killed run is a process of its own; the reference and the resume run here."""
+    from vitgraph.cli import main
     steps, every = 60, 10
     over = dict(**{"checkpoint.every": every, "checkpoint.keep": 10})
     ref_dir, dir_ = tmp_path / "ref", tmp_path / "killed"
-    run(env, *tiny_overrides(ref_dir, steps=steps, **over))
+    assert main(["train", DEFAULT, *tiny_overrides(ref_dir, steps=steps, **over)]) == 0
 
     cmd = vitgraph_cmd("train", DEFAULT, *tiny_overrides(dir_, steps=steps, **over))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -72,8 +74,9 @@ def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env):
     half.mkdir(exist_ok=True)
     (half / "mp_rank_00_000.pt").write_bytes(b"garbage")
 
-    r = run(env, *tiny_overrides(dir_, steps=steps, **over))
-    assert f"at step {killed_at}" in r.stdout
+    capsys.readouterr()
+    assert main(["train", DEFAULT, *tiny_overrides(dir_, steps=steps, **over)]) == 0
+    assert f"at step {killed_at}" in capsys.readouterr().out
     assert not half.exists()  # cleaned by the next save
     ref, got = train_losses(ref_dir), train_losses(dir_)
     after = [s for s in ref if s > killed_at]
