@@ -48,6 +48,26 @@ def test_train_end_to_end_writes_metrics_and_run_dir(tmp_path, env):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000030"
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping: a killed orphan may stay a zombie where nothing reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
 def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env, capsys):
     """Only the killed run is a process of its own; the reference and the resume run here."""
     from vitgraph.cli import main
@@ -65,8 +85,14 @@ def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env, capsys):
             break
         time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be killed"
+    helpers = [pid for pid in _children(proc.pid) if b"multiprocessing.spawn" in _cmdline(pid)]
+    assert helpers  # megatron's checkpoint-writer helper, started before training
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    deadline = time.time() + 20  # it ignores SIGTERM; the kernel's parent-death signal ends it
+    while time.time() < deadline and any(_alive(pid) for pid in helpers):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in helpers), "the writer helper outlived the killed run"
     killed_at = int(latest.read_text().strip().split("_")[1])
     assert killed_at < steps
     # a half-written checkpoint of a later step must never be loaded

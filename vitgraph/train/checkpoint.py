@@ -29,6 +29,7 @@ reported with the file named. Pruning to ``keep`` never removes the newest intac
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
@@ -104,26 +105,45 @@ def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
 
 
 def start_writer_helper(signals) -> None:
-    """Start megatron's checkpoint-writer helper process now, with ``signals`` ignored.
+    """Start megatron's checkpoint-writer helper process now, with ``signals`` ignored, and
+    bound to this process's life.
 
     megatron-core 0.16.1 collects its writers' results through a multiprocessing manager, a
     process spawned at the first save and kept. ``timeout``, a terminal and SLURM signal a
     job's whole process group: a stop signal killed that helper, so the preemption save that
     signal asked for failed (EOFError or BrokenPipeError; an H200 run, 2026-12-01). An ignored
     signal stays ignored across the spawned process's exec; the handlers here are set after.
-    The helper still ends with this process (megatron's finalizer) or by SIGKILL."""
+    So the helper cannot be stopped by those signals: it ends with this process (megatron's
+    finalizer) or, when this process is killed outright (``kill -9``, the OOM killer), by the
+    parent-death signal ``_die_with_parent`` asks the kernel for (before, it stayed behind).
+    Made here as megatron makes it (a spawn-context manager's queue), in megatron's slot."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:
         return
     if getattr(fa, "_results_queue", True) is not None or not hasattr(fa, "_get_write_results_queue"):
         return  # started already, or a megatron-core that does not keep one
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
     try:
-        fa._get_write_results_queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(_die_with_parent, (os.getpid(),))
+        fa._results_queue = manager.Queue()  # the proxy keeps the manager (and its finalizer)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the writer helper: SIGKILL when the training process's thread that started it ends
+    (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing changes)."""
+    try:
+        ok = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL)) == 0
+    except (OSError, AttributeError):
+        return
+    if ok and os.getppid() != parent:  # the parent died before the request
+        os._exit(0)
 
 
 def _barrier():
