@@ -45,6 +45,12 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def sequence_length(arch, class_token: bool = True, num_registers: int = 0) -> int:
+    """Tokens a ViT of ``arch`` runs on per image (class token, registers, patches), before
+    any padding."""
+    return int(class_token) + num_registers + arch.num_patches()
+
+
 class ViT(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, arch: ViTArch,
                  num_classes: int, *, num_registers: int = 0, class_token: bool = True,
@@ -64,7 +70,7 @@ class ViT(MegatronModule):
         self.share_embeddings_and_output_weights = False  # read by finalize_model_grads
         # micro-batch -> multiple to pad the token count to (None: never pad); see the docstring
         self.pad_to = pad_to
-        self.seq_len = int(class_token) + num_registers + arch.num_patches()
+        self.seq_len = sequence_length(arch, class_token, num_registers)
         self.arch = arch
         self.pre_process, self.post_process = pre_process, post_process
         self.num_prefix = int(class_token) + num_registers

@@ -31,7 +31,7 @@ from vitgraph.config import Config, ConfigError
 from vitgraph.models.init import init_weights
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import get_layer_spec, resolve_spec
-from vitgraph.models.vit import ViT
+from vitgraph.models.vit import ViT, sequence_length
 from vitgraph.parallel import cpu_shims
 
 log = logging.getLogger("vitgraph")
@@ -295,8 +295,8 @@ def build_model(cfg: Config, d: Dist, num_classes: int) -> list[ViT]:
     # the padding mask costs a little in attention: only layers that may see padding get it
     # (eval batches of other sizes are filled up instead: Trainer.evaluate)
     pad = token_padding(cfg, cfg.train.micro_batch_size)
-    mb = cfg.train.micro_batch_size
-    tokens = mb * (int(cfg.model.class_token) + cfg.model.num_registers + arch.num_patches())
+    tokens = cfg.train.micro_batch_size * sequence_length(arch, cfg.model.class_token,
+                                                          cfg.model.num_registers)
     layer_spec = get_layer_spec(spec, padding_mask=pad > 1,
                                 fused_norm=use_fused_norm(cfg, tokens))
     chunks = []

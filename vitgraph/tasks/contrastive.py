@@ -25,7 +25,7 @@ from vitgraph.data.loader import DataError
 from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
 from vitgraph.models.registry import resolve_clip_arch
 from vitgraph.models.specs import resolve_spec
-from vitgraph.models.vit import unwrap
+from vitgraph.models.vit import sequence_length, unwrap
 from vitgraph.parallel.setup import token_padding, transformer_config, use_fused_norm
 from vitgraph.tasks.base import Task, stats
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
@@ -107,7 +107,7 @@ class ContrastiveTask(Task):
         if self.loss_name == "siglip" and self.arch.init_logit_bias is None:
             bias = -10.0  # SigLIP's initial bias, for a pair registered without one
         # the fused norms are decided on the image tower's tokens, for both towers
-        tokens = int(self.arch.class_token) + self.arch.vision.num_patches()
+        tokens = sequence_length(self.arch.vision, self.arch.class_token)
         model = build_clip(self.arch, transformer_config(cfg, d), resolve_spec(cfg.model.spec),
                            seed=cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
                            context_length=self.context_length,
