@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, tiny_overrides, vitgraph_cmd
+from test_reliability import _children
 
 DEFAULT = str(ROOT / "configs" / "vit-tiny-shapes.yaml")
 
@@ -46,11 +47,6 @@ def test_train_end_to_end_writes_metrics_and_run_dir(tmp_path, env):
     losses = train_losses(run_dir)
     assert losses[30] < losses[5], losses  # it learns something in 30 steps
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000030"
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-            for c in (task / "children").read_text().split()]
 
 
 def _cmdline(pid: int) -> bytes:
