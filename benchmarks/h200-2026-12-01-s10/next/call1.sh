@@ -5,11 +5,7 @@
 #    (fused_norm never | always, parametrized in c005a47).
 # 2. Where model.fused_norm=auto should switch: ViT-L/16 step graphs, always against never, at
 #    mb 32, 64 and 128 (measured only at 8 and 256; the threshold, 16,384 tokens, is a guess).
-export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
-G=/tmp/n1; rm -rf $G; mkdir -p $G; T0=$(date +%s)
-mark() { echo "$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*" >> $G/marks.txt; }
-pack() { (cd /tmp && tar czf $OUT/logs.tgz n1); }
-b() { timeout $1 python scripts/bench.py --model vit_l16_224 --warmup 6 --iters 10 "${@:2}"; }
+source benchmarks/h200-2026-12-01-s10/next/common.sh
 mark tests
 timeout 150 python -m pytest -m gpu tests/gpu/test_model_gpu.py \
   "tests/gpu/test_step_graphs_gpu.py::test_step_graphs_equal_eager_on_one_gpu" \

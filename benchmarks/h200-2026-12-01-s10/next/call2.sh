@@ -4,11 +4,7 @@
 #    the ratio's spread on one machine (calls 4 and 5 gave 1.098x and 1.081x on two machines).
 # 2. Layer graphs at mb 8 with 8 and with 32 hardware queues (190-211 img/s now, 322.6 in the
 #    sixth session; the ninth session's queue default is one suspect).
-export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
-G=/tmp/n1; rm -rf $G; mkdir -p $G; T0=$(date +%s)
-mark() { echo "$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*" >> $G/marks.txt; }
-pack() { (cd /tmp && tar czf $OUT/logs.tgz n1); }
-b() { timeout $1 python scripts/bench.py --model vit_l16_224 --warmup 6 --iters 10 "${@:2}"; }
+source benchmarks/h200-2026-12-01-s10/next/common.sh
 mark ratio
 for i in 1 2; do
   b 150 --micro-batches 256 --systems vitgraph+step-graphs timm+compile --out $G/mb256_$i.json \

@@ -1,10 +1,7 @@
 # Prepared in session 10, split in session 11 (not run): on nvidia-h200-x2 (two GPUs), about
 # 420 s. The dp=2 step-graph test for both layer kinds (last passed in session 9, before the
 # fused layer), and gpu_check.sh multi (its mb 8 runs megatron's layer under auto).
-export PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
-G=/tmp/n1; rm -rf $G; mkdir -p $G; T0=$(date +%s)
-mark() { echo "$(date +%H:%M:%S) +$(( $(date +%s) - T0 ))s $*" >> $G/marks.txt; }
-pack() { (cd /tmp && tar czf $OUT/logs.tgz n1); }
+source benchmarks/h200-2026-12-01-s10/next/common.sh
 mark two-gpus
 timeout 200 python -m pytest -m gpu tests/gpu/test_step_graphs_gpu.py -k two_data_parallel -q \
   --tb=short -rs -p no:cacheprovider > $G/gt_step_dp2.log 2>&1
