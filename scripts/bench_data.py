@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the result JSON here")
     args = ap.parse_args(argv)
 
-    from vitgraph.data.shards import resolve_decode
+    from vitgraph.data.decode import resolve_decode
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     modes = (args.decode.split(",") if args.decode else
              (["cuda", "cpu"] if resolve_decode("auto") == "cuda" else ["cpu"]))

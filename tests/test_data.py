@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -12,6 +14,7 @@ from PIL import Image
 from vitgraph.data import (DataError, ImageDataset, MicrobatchLoader, build_datasets,
                            iterate_eval, to_model_input)
 from vitgraph.data import shapes
+from conftest import ROOT
 
 
 def shapes_cfg(**kw):
@@ -295,6 +298,137 @@ def test_imagefolder_skips_corrupt_images_and_ignores_other_files(folder, caplog
         f.write_bytes(b"junk")
     with pytest.raises(DataError, match=r"no readable images in .*val.*\.png"):
         build_datasets(folder_cfg(folder), seed=0)
+
+
+def _pil_decoder(data):
+    """nvJPEG's stand-in on the CPU: list of JPEG byte tensors -> list of uint8 [3, H, W]."""
+    import io
+    return [torch.from_numpy(np.array(Image.open(io.BytesIO(bytes(d.numpy()))).convert("RGB"))
+                             ).permute(2, 0, 1) for d in data]
+
+
+def _cuda_decode_folder(root, **kw):
+    """The folder read as data.decode=cuda reads it, on a machine without CUDA."""
+    from vitgraph.data.imagefolder import read_split
+    from vitgraph.data.imagefolder import list_classes
+    classes = list_classes(os.path.join(root, "train"))
+    return read_split(str(root), "train", classes, 8, workers=2, preload=False, decode="cuda",
+                      **kw)
+
+
+def test_imagefolder_cuda_decode_hands_jpegs_over_encoded_and_decodes_the_rest_here(folder):
+    """decode=cuda: JPEG files go to the device as bytes (nvJPEG), a PNG is decoded in the
+    loader's threads at full size; finished on the device, they are the CPU path's pixels up
+    to resampling, with the same labels and order."""
+    from vitgraph.data.decode import EncodedImages, finish_on_device
+    cpu, _ = build_datasets(folder_cfg(folder), seed=0)
+    enc = _cuda_decode_folder(folder)
+    batch = enc.images[torch.arange(3)]  # cat/c.jpeg, dog/a.png, dog/b.JPG
+    assert isinstance(batch, EncodedImages) and batch.size == 8
+    assert [t.dim() for t in batch.data] == [1, 3, 1]
+    assert [os.path.basename(n) for n in batch.names] == ["c.jpeg", "a.png", "b.JPG"]
+    got = finish_on_device(batch, "cpu", decoder=_pil_decoder)
+    assert got.shape == cpu.images.shape and got.dtype == torch.uint8
+    assert (got.float() - cpu.images.float()).abs().max() <= 2
+    assert torch.equal(enc.labels, cpu.labels)
+
+
+def test_imagefolder_cuda_decode_skips_unreadable_files_and_survives_a_damaged_jpeg(folder, caplog):
+    """A file whose header is no image is found in the loader's threads and replaced by the
+    next readable image of its class, as on the CPU path; a JPEG whose header reads but whose
+    body nvJPEG and PIL cannot decode is named in the log and trained as a grey image."""
+    from vitgraph.data.decode import finish_on_device
+    (folder / "train" / "cat" / "bad.jpg").write_bytes(b"not a jpeg")
+    noise = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(folder / "train" / "dog" / "cut.jpg", "JPEG")
+    whole = (folder / "train" / "dog" / "cut.jpg").read_bytes()
+    cut = whole[:len(whole) * 2 // 3]  # the header reads; the entropy-coded body is cut
+    (folder / "train" / "dog" / "cut.jpg").write_bytes(cut)
+    enc = _cuda_decode_folder(folder)
+    with caplog.at_level("WARNING", logger="vitgraph"):
+        batch = enc.images[torch.arange(len(enc))]  # cat: bad, c; dog: a, b, cut
+    assert [os.path.basename(n) for n in batch.names] == ["c.jpeg", "c.jpeg", "a.png", "b.JPG",
+                                                           "cut.jpg"]
+    assert "bad.jpg" in caplog.text
+
+    def nvjpeg_like(data):  # fails on a damaged body, as nvJPEG does
+        out = []
+        for d in data:
+            if len(d) == len(cut):
+                raise RuntimeError("nvjpeg: bitstream error")
+            out.append(_pil_decoder([d])[0])
+        return out
+
+    with caplog.at_level("WARNING", logger="vitgraph"):
+        got = finish_on_device(batch, "cpu", decoder=nvjpeg_like)
+    assert got.shape == (5, 8, 8, 3)
+    assert (got[4] == 128).all() and "cut.jpg" in caplog.text
+    cpu, _ = build_datasets(folder_cfg(folder, preload=False), seed=0)
+    assert (got[:4].float() - cpu.images[torch.arange(4)].float()).abs().max() <= 2
+
+
+def test_imagefolder_cuda_decode_resumes_at_the_same_files(folder):
+    """The loader's position, saved and loaded, gives the same files next (decode=cuda)."""
+    for i in range(12):
+        _write(folder / "train" / "dog" / f"x{i:02d}.jpg", (10, 12), (i * 20, 7, 9), "JPEG")
+    enc = _cuda_decode_folder(folder)
+
+    def names(loader):
+        return [os.path.basename(n) for mb in loader.next_step() for n in mb[0].names]
+
+    a = MicrobatchLoader(enc, 2, 2, 0, 1, seed=5)
+    names(a)
+    state = a.state_dict()
+    want = [names(a), names(a)]
+    b = MicrobatchLoader(enc, 2, 2, 0, 1, seed=5)
+    b.load_state_dict(state)
+    assert [names(b), names(b)] == want
+
+
+def test_imagefolder_decode_setting_is_resolved_and_checked(folder):
+    from vitgraph.data.imagefolder import imagefolder_decode
+    assert imagefolder_decode(folder_cfg(folder, decode="auto")) == "cpu"  # preloaded
+    assert imagefolder_decode(folder_cfg(folder, decode="auto", preload=False)) == (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(DataError, match="needs data.preload=false"):
+        build_datasets(folder_cfg(folder, decode="cuda"), seed=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(DataError, match="needs a CUDA device"):
+            build_datasets(folder_cfg(folder, decode="cuda", preload=False), seed=0)
+
+
+PRELOAD_AFTER_HANDLERS = """
+import os, signal, sys, time, types
+sys.path.insert(0, {root!r})
+from vitgraph.data import build_datasets
+# what preemption installs before start-up: SIGTERM only sets a flag
+signal.signal(signal.SIGTERM, lambda *a: None)
+signal.signal(signal.SIGUSR1, lambda *a: None)
+def no_fork(*a, **k):
+    raise AssertionError("the ImageFolder reader forked a process")
+os.fork = no_fork
+cfg = types.SimpleNamespace(kind="imagefolder", path={path!r}, render_size=8, workers=4,
+                            preload=True, decode="auto", num_classes=2, cache_dir=None)
+for _ in range(20):
+    train, val = build_datasets(cfg, seed=0)
+print("ok", len(train), len(val))
+"""
+
+
+def test_a_preloaded_imagefolder_with_workers_never_forks_and_never_hangs(tmp_path):
+    """Forked pool workers inherited preemption's flag-only SIGTERM handler, so the pool's
+    terminate() could not end them and start-up hung in Pool.__exit__ (a race). The reader
+    forks nothing: 20 builds of a 600-image folder with 4 workers, under a time limit."""
+    root = tmp_path / "imgs"
+    for split, n in (("train", 300), ("val", 300)):
+        for i in range(n):
+            _write(root / split / ("a" if i % 2 else "b") / f"{i:03d}.png", (10, 10),
+                   (i % 256, 0, 0), "PNG")
+    script = PRELOAD_AFTER_HANDLERS.format(root=str(ROOT), path=str(root))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok", "300", "300"]
 
 
 def test_imagefolder_errors(folder, tmp_path):
@@ -614,7 +748,7 @@ def test_webdataset_png_input_and_errors(tmp_path):
 def test_device_decode_path_with_a_stand_in_decoder(shards):
     """``data.decode=cuda`` hands microbatches over encoded; the device path (decode, resize,
     crop, stack) gives the CPU path's pixels up to resampling (nvJPEG itself is GPU-only)."""
-    from vitgraph.data.shards import finish_on_device
+    from vitgraph.data.decode import finish_on_device
     _, out = shards
     cpu, _ = build_datasets(wds_cfg(out), seed=0)
     enc, _ = build_datasets(wds_cfg(out, decode="cpu"), seed=0)
@@ -638,7 +772,7 @@ def test_device_decode_resizes_each_size_as_one_batch_with_the_per_image_result(
     in one batch per size, each as torch's antialiased interpolate would alone (the device
     path multiplies by per-axis weight matrices instead: a rare pixel rounds one level off)."""
     import torch.nn.functional as F
-    from vitgraph.data.shards import EncodedImages, finish_on_device
+    from vitgraph.data.decode import EncodedImages, finish_on_device
     g = torch.Generator().manual_seed(0)
     sizes = [(40, 30), (30, 40), (40, 30), (16, 16), (30, 40), (12, 50), (375, 500), (375, 500)]
     raw = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
@@ -658,7 +792,7 @@ def test_device_decode_resizes_each_size_as_one_batch_with_the_per_image_result(
 
 
 def test_resize_matrix_rows_are_normalised_bicubic_weights():
-    from vitgraph.data.shards import resize_matrix
+    from vitgraph.data.decode import resize_matrix
     m = resize_matrix(500, 298, 37, 224)
     assert m.shape == (224, 500) and np.allclose(m.sum(1), 1, atol=1e-6)
     # a downscale by 500/298 spreads each output over about 4 x 1.68 inputs
@@ -669,7 +803,7 @@ def test_resize_matrix_rows_are_normalised_bicubic_weights():
 def test_an_encoded_eval_batch_is_padded_and_cut_into_microbatches():
     """``data.decode=cuda`` eval batches stay encoded until the device: they are filled up and
     cut into microbatches like tensors (a run from shards failed here after its last step)."""
-    from vitgraph.data.shards import EncodedImages
+    from vitgraph.data.decode import EncodedImages
     from vitgraph.train.loop import _split_padded
     enc = EncodedImages([torch.tensor([i], dtype=torch.uint8) for i in range(5)], 16)
     mbs = _split_padded((enc, torch.arange(5)), 2, fill_label=-1)
@@ -756,7 +890,8 @@ def test_a_share_of_the_device_decode_done_by_the_loader_threads(shards):
     threads at full size, the rest left as JPEG bytes; the device resizes and crops all of them
     alike (here the CPU stands in for the device, and PIL for nvJPEG)."""
     import io
-    from vitgraph.data.shards import finish_on_device, read_shard_split
+    from vitgraph.data.decode import finish_on_device
+    from vitgraph.data.shards import read_shard_split
 
     def pil_decode(data):
         return [torch.from_numpy(np.asarray(Image.open(io.BytesIO(bytes(d.numpy()))).convert("RGB"))
@@ -787,7 +922,7 @@ def test_decode_full_gives_pil_draft_pixels_with_or_without_simplejpeg(size_wh, 
     """The loader threads' decode (data.cpu_decode_share) goes through simplejpeg when it is
     installed (no GIL held); the pixels and the reduced DCT scale are PIL's either way."""
     import io
-    from vitgraph.data import shards
+    from vitgraph.data import decode as shards
     rng = np.random.default_rng(0)
     w, h = size_wh
     pixels = (rng.integers(0, 6, (h, w, 3)) * 40 + rng.integers(0, 20, (h, w, 3))).astype(np.uint8)
@@ -806,7 +941,8 @@ def test_cpu_decode_share_is_checked():
     from conftest import ROOT
     from vitgraph.config import ConfigError, load_config
     for over in (["data.cpu_decode_share=1.5"], ["data.cpu_decode_share=0.5"],
-                 ["data.kind=webdataset", "data.path=/x", "data.cpu_decode_share=0.5"]):
+                 ["data.kind=webdataset", "data.path=/x", "data.decode=cpu",
+                  "data.cpu_decode_share=0.5"]):
         with pytest.raises(ConfigError, match="data.cpu_decode_share"):
             load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", over)
 

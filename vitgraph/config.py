@@ -104,7 +104,7 @@ class DataConfig:
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
     # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
-    decode: str = "cpu"
+    decode: str = "auto"
     # decode=cuda: this share of each microbatch is decoded in the loader's threads instead
     # (simplejpeg or PIL, at full size), the rest by nvJPEG; the GPU resizes all of them. On
     # the H200 host neither share 0.6 nor 1.0 beat nvJPEG alone (benchmarks/BENCHMARKS.md,

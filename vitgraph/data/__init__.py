@@ -5,8 +5,9 @@
 ``to_model_input`` turns into model inputs.
 """
 
-from vitgraph.data.loader import (DataError, ImageDataset, MicrobatchLoader, iterate_eval,
-                                  to_model_input)
+from vitgraph.data.dataset import DataError, ImageDataset
+from vitgraph.data.decode import EncodedImages
+from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
 from vitgraph.data.shapes import CLASSES as SHAPES_CLASSES
 
 
@@ -32,5 +33,5 @@ def build_datasets(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
                     "or 'webdataset')")
 
 
-__all__ = ["DataError", "ImageDataset", "MicrobatchLoader", "SHAPES_CLASSES", "build_datasets",
+__all__ = ["DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader", "SHAPES_CLASSES", "build_datasets",
            "iterate_eval", "to_model_input"]

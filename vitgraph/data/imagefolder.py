@@ -4,24 +4,30 @@ Classes are the sub-folders of ``root/train`` sorted by name; label = index in t
 Files without an image extension and hidden files are ignored. Unreadable or corrupt images
 are skipped, counted and the first few named in the log; a split left with no images, or a val
 class that train lacks, is a DataError.
-Every image is decoded with PIL to RGB, its shorter side resized to ``render_size`` and
-center-cropped to a square, and the whole split is decoded up front (with ``workers``
-processes) into one uint8 array. That is fine for small and medium folders (50k images at
-64x64 are 600 MB); large datasets need a streaming reader, which this module is not.
+
+``preload=True``: every image is decoded with PIL to RGB, its shorter side resized to
+``render_size`` and center-cropped to a square, the whole split up front (in ``workers``
+threads) into one uint8 array: fine for small and medium folders (50k images at 64x64 are
+600 MB). ``preload=False``: each batch is read when drawn (``LazyImages``), decoded in
+``workers`` threads (``decode="cpu"``) or read there and decoded by nvJPEG on the GPU
+(``decode="cuda"``: ``EncodedImages``, finished by the prefetcher one step ahead).
+
+No process is forked: a forked worker inherits the flag-only SIGTERM handler that preemption
+installs, so a pool's terminate() could not end it and start-up hung in Pool.__exit__.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from PIL import Image
 
-from vitgraph.data.loader import DataError, ImageDataset
+from vitgraph.data.dataset import DataError, ImageDataset
+from vitgraph.data.decode import EncodedImages, for_device, load_image, resolve_decode
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 NAMED = 5  # unreadable files named in the log; the rest are counted
@@ -59,40 +65,6 @@ def list_files(split_dir: str, classes: list[str]) -> tuple[list[str], list[int]
     return paths, labels
 
 
-def resize_crop(im: Image.Image, size: int) -> np.ndarray:
-    """An RGB image with its shorter side resized to ``size`` (bicubic), center-cropped:
-    uint8 [size, size, 3]."""
-    w, h = im.size
-    scale = size / min(w, h)
-    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-    if (nw, nh) != (w, h):
-        im = im.resize((nw, nh), Image.BICUBIC, reducing_gap=3.0)
-    left, top = (nw - size) // 2, (nh - size) // 2
-    return np.asarray(im.crop((left, top, left + size, top + size)), dtype=np.uint8)
-
-
-def load_image(path: str, size: int) -> np.ndarray:
-    """Decode to RGB, resize the shorter side to ``size``, center-crop: uint8 [size, size, 3]."""
-    try:
-        with Image.open(path) as im:
-            return resize_crop(im.convert("RGB"), size)
-    except Exception as e:  # PIL raises OSError, ValueError, SyntaxError, bomb errors...
-        raise DataError(f"cannot read image {path}: {e}") from None
-
-
-def _load_many(args):
-    """(decoded images, the errors of the unreadable ones: (index in ``paths``, message))."""
-    paths, size = args
-    images, errors = [], []
-    for i, p in enumerate(paths):
-        try:
-            images.append(load_image(p, size))
-        except DataError as e:
-            errors.append((i, str(e)))
-    empty = np.empty((0, size, size, 3), np.uint8)
-    return (np.stack(images) if images else empty), errors
-
-
 def _report_unreadable(split_dir: str, errors: list[str], total: int) -> None:
     if not errors:
         return
@@ -104,36 +76,49 @@ def _report_unreadable(split_dir: str, errors: list[str], total: int) -> None:
 
 
 class LazyImages:
-    """Decodes on demand what ``dataset.images[index]`` asks for, in ``workers`` threads.
+    """Reads on demand what ``dataset.images[index]`` asks for, in ``workers`` threads.
 
     Stands in for the uint8 [N, H, W, 3] tensor of a preloaded split, for folders too large
-    to hold decoded in memory (ImageNet at 224 is ~190 GB as uint8). Unreadable files are
-    found when first drawn, as a DataError naming the file.
+    to hold decoded in memory (ImageNet at 224 is ~190 GB as uint8). ``decode="cpu"``: the
+    threads decode and resize (PIL); ``"cuda"``: they read the files and check each header,
+    and the batch goes to the device still encoded (``EncodedImages``; other formats than
+    JPEG are decoded here at full size). An unreadable file is found when first drawn,
+    named in the log and replaced by the next readable image of its class.
     """
 
     dtype = torch.uint8
     ndim = 4
 
     def __init__(self, paths: list[str], size: int, workers: int = 1,
-                 labels: list[int] | None = None):
-        from concurrent.futures import ThreadPoolExecutor
-        self.paths, self.size = paths, size
+                 labels: list[int] | None = None, decode: str = "cpu"):
+        self.paths, self.size, self.decode = paths, size, decode
         self.labels = labels if labels is not None else [0] * len(paths)
         self.shape = (len(paths), size, size, 3)
         self.unreadable: dict[int, str] = {}  # index -> error, as found
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="vitgraph-decode")
 
-    def _load(self, i: int) -> np.ndarray:
-        """Image ``i``, or when it cannot be decoded the next readable image of the same class
-        (deterministic, so a resumed run draws the same batches; the label stays right)."""
+    def _read(self, j: int):
+        if self.decode == "cuda":
+            try:
+                with open(self.paths[j], "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise DataError(f"cannot read image {self.paths[j]}: {e}") from None
+            return for_device(data, self.size, self.paths[j])
+        return load_image(self.paths[j], self.size)
+
+    def _load(self, i: int) -> tuple:
+        """(image ``i``, its path), or when it cannot be read the next readable image of the
+        same class (deterministic, so a resumed run draws the same batches; the label stays
+        right)."""
         n = len(self.paths)
         for k in range(n):
             j = (i + k) % n
             if self.labels[j] != self.labels[i] or j in self.unreadable:
                 continue
             try:
-                return load_image(self.paths[j], self.size)
+                return self._read(j), self.paths[j]
             except DataError as e:
                 with self._lock:
                     if j not in self.unreadable:
@@ -147,37 +132,45 @@ class LazyImages:
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index):
         if isinstance(index, slice):
             idx = range(*index.indices(len(self.paths)))
         else:
             idx = torch.as_tensor(index).reshape(-1).tolist()
-        images = list(self._pool.map(self._load, idx))
-        if not images:
+        loaded = list(self._pool.map(self._load, idx))
+        if self.decode == "cuda":
+            return EncodedImages([im for im, _ in loaded], self.size, [p for _, p in loaded])
+        if not loaded:
             return torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
-        return torch.from_numpy(np.stack(images))
+        return torch.from_numpy(np.stack([im for im, _ in loaded]))
+
+
+def _load_all(paths: list[str], size: int, workers: int) -> tuple[list, dict[int, str]]:
+    """Every image of ``paths`` decoded (in ``workers`` threads: PIL's decode and resize leave
+    the GIL), and the errors of the unreadable ones by index."""
+    def one(p):
+        try:
+            return load_image(p, size), None
+        except DataError as e:
+            return None, str(e)
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="vitgraph-preload") as pool:
+        results = list(pool.map(one, paths, chunksize=64))
+    errors = {i: err for i, (_, err) in enumerate(results) if err is not None}
+    return [im for im, _ in results if im is not None], errors
 
 
 def read_split(root: str, split: str, classes: list[str], render_size: int,
-               workers: int = 1, preload: bool = True) -> ImageDataset:
+               workers: int = 1, preload: bool = True, decode: str = "cpu") -> ImageDataset:
     split_dir = os.path.join(root, split)
     paths, labels = list_files(split_dir, classes)
     if not preload:
-        return ImageDataset(LazyImages(paths, render_size, workers, labels),  # type: ignore[arg-type]
-                            torch.tensor(labels, dtype=torch.int64), list(classes), None)
-    chunk = 256
-    jobs = [(paths[i:i + chunk], render_size) for i in range(0, len(paths), chunk)]
-    if workers > 1 and len(jobs) > 1:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(min(workers, len(jobs))) as pool:
-            parts = pool.map(_load_many, jobs, chunksize=1)
-    else:
-        parts = [_load_many(j) for j in jobs]
-    bad = {start + i: msg for start, (_, errors) in zip(range(0, len(paths), chunk), parts)
-           for i, msg in errors}
+        images = LazyImages(paths, render_size, workers, labels, decode)
+        return ImageDataset(images, torch.tensor(labels, dtype=torch.int64),  # type: ignore[arg-type]
+                            list(classes), None)
+    images, bad = _load_all(paths, render_size, workers)
     _report_unreadable(split_dir, [bad[i] for i in sorted(bad)], len(paths))
     keep = [label for i, label in enumerate(labels) if i not in bad]
-    return ImageDataset(torch.from_numpy(np.concatenate([images for images, _ in parts])),
+    return ImageDataset(torch.from_numpy(np.stack(images)),
                         torch.tensor(keep, dtype=torch.int64), list(classes), None)
 
 
@@ -192,6 +185,22 @@ def build_imagefolder(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
         raise DataError(f"image folder root not found: {root}")
     classes = list_classes(os.path.join(root, "train"))
     preload = getattr(data_cfg, "preload", True)
-    train = read_split(root, "train", classes, data_cfg.render_size, data_cfg.workers, preload)
-    val = read_split(root, "val", classes, data_cfg.render_size, data_cfg.workers, preload)
-    return train, val
+    decode = imagefolder_decode(data_cfg)
+    args = (classes, data_cfg.render_size, data_cfg.workers, preload, decode)
+    return read_split(root, "train", *args), read_split(root, "val", *args)
+
+
+def imagefolder_decode(data_cfg) -> str:
+    """Where an ImageFolder run decodes: ``data.decode`` with auto resolved (nvJPEG when a GPU
+    and torchvision are there); a preloaded folder is decoded up front on the CPU."""
+    decode = getattr(data_cfg, "decode", "cpu")
+    preload = getattr(data_cfg, "preload", True)
+    if decode == "cuda" and preload:
+        raise DataError("data.decode=cuda decodes each batch on the GPU as it is drawn: it "
+                        "needs data.preload=false (a preloaded folder is decoded up front)")
+    if preload:
+        return "cpu"
+    decode = resolve_decode(decode)
+    if decode == "cuda" and not torch.cuda.is_available():
+        raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
+    return decode

@@ -7,11 +7,13 @@ into normalized float tensors on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from vitgraph.data.dataset import DataError, ImageDataset
+from vitgraph.data.decode import EncodedImages, finish_on_device
 
 # Inputs are mapped to [-1, 1]; the data is synthetic or arbitrary, so ImageNet statistics
 # would buy nothing.
@@ -19,44 +21,6 @@ MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
 
 
-class DataError(Exception):
-    """A dataset cannot be built; the message names the offending path or setting."""
-
-
-@dataclass
-class ImageDataset:
-    images: torch.Tensor  # uint8 [N, H, W, 3]
-    labels: torch.Tensor  # int64 [N]
-    classes: list[str]
-    captions: list[str] | None = None
-    # token ids of the captions, int64 [N, context] (set by the contrastive task); with
-    # caption_variants, [N, variants, context] and the task draws one variant per pair
-    tokens: torch.Tensor | None = None
-    # shapes training split with data.caption_dropout > 0: each caption's variants without
-    # its size and/or colour words (vitgraph.data.shapes.caption_variants, bitmask-indexed)
-    caption_variants: list[tuple[str, ...]] | None = None
-
-    def __post_init__(self):
-        if self.images.dtype != torch.uint8 or self.images.ndim != 4 or self.images.shape[-1] != 3:
-            raise ValueError(f"images must be uint8 [N, H, W, 3], got {self.images.dtype} "
-                             f"{tuple(self.images.shape)}")
-        if self.labels.dtype != torch.int64 or self.labels.shape != (self.images.shape[0],):
-            raise ValueError(f"labels must be int64 [{self.images.shape[0]}], got "
-                             f"{self.labels.dtype} {tuple(self.labels.shape)}")
-        if self.captions is not None and len(self.captions) != len(self):
-            raise ValueError(f"{len(self.captions)} captions for {len(self)} images")
-        if self.caption_variants is not None and len(self.caption_variants) != len(self):
-            raise ValueError(f"{len(self.caption_variants)} caption variants for "
-                             f"{len(self)} images")
-
-    def __len__(self) -> int:
-        return int(self.images.shape[0])
-
-    def fields(self, idx) -> tuple:
-        """The samples ``idx`` as a microbatch: (images, labels) and, when the dataset has
-        them, their caption tokens."""
-        out = (self.images[idx], self.labels[idx])
-        return out if self.tokens is None else (*out, self.tokens[idx])
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -204,7 +168,6 @@ def to_device_uint8(images, device) -> torch.Tensor:
     than float), or decoded and resized there (``data.decode=cuda``)."""
     if isinstance(images, torch.Tensor):
         return images.to(device, non_blocking=True)
-    from vitgraph.data.shards import EncodedImages, finish_on_device
     if isinstance(images, EncodedImages):
         return finish_on_device(images, device)
     raise TypeError(f"images must be a uint8 tensor or EncodedImages, got {type(images).__name__}")

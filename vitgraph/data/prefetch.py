@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from vitgraph.data.decode import EncodedImages, finish_on_device
 from vitgraph.data.loader import MicrobatchLoader
 
 
@@ -71,7 +72,6 @@ class Prefetcher:
         return batches, state, ready
 
     def _to_device(self, field):
-        from vitgraph.data.shards import EncodedImages, finish_on_device
         if isinstance(field, EncodedImages):
             return finish_on_device(field, self.device)
         if torch.is_tensor(field) and field.device.type == "cpu":

@@ -400,7 +400,7 @@ def build_shapes(data_cfg, seed: int):
     seed ``seed``'s when that is None."""
     import torch
 
-    from vitgraph.data.loader import DataError, ImageDataset
+    from vitgraph.data.dataset import DataError, ImageDataset
 
     if not 1 <= data_cfg.num_classes <= len(CLASSES):
         raise DataError(f"data.num_classes={data_cfg.num_classes}: the shapes data has "

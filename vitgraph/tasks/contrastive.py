@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from vitgraph.data.augment import BatchAugment, prepare_batch
-from vitgraph.data.loader import DataError
+from vitgraph.data import DataError
 from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
 from vitgraph.models.registry import resolve_clip_arch
 from vitgraph.models.specs import resolve_spec

@@ -19,7 +19,7 @@ from vitgraph import HARDWARE_QUEUES, hardware_queues
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
 from vitgraph.data.prefetch import Prefetcher
-from vitgraph.data.shards import EncodedImages
+from vitgraph.data import EncodedImages
 from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed, parallelize,
