@@ -30,11 +30,11 @@ Systems:
                          for the tiny pair, the tower's 77 here)
 
 Inputs: the peers and, by default, vitgraph train on random images already on the device.
-``--data DIR`` (JPEG shards, scripts/make_shards.py) runs every vitgraph row a second time
-with the training loop's own input pipeline: shards read and decoded by nvJPEG
-(``data.decode=cuda``, plus any --override such as data.cpu_decode_share), prefetched as
-`vitgraph train` does. Those rows say ``"input": "shards"`` and the ratio to the synthetic row
-is printed (issue 10: within 5%).
+``--data DIR`` (a JPEG ImageFolder, ``DIR/train/<class>/*.jpg``, or JPEG shards,
+scripts/make_shards.py) runs every vitgraph row a second time with the training loop's own
+input pipeline: files read in threads and decoded by nvJPEG (``data.decode=cuda``, plus any
+--override such as data.cpu_decode_share), prefetched as `vitgraph train` does. Those rows say
+``"input": "imagefolder"`` or ``"shards"`` and their ratio to the synthetic row is printed.
 
 The process runs with the hardware queues `vitgraph train` sets (CUDA_DEVICE_MAX_CONNECTIONS,
 32 unless set: vitgraph.set_hardware_queues), peers included; the provenance records the value.
@@ -72,6 +72,7 @@ TIMM_NAMES = {"vit_l16_224": "vit_large_patch16_224", "vit_b16_224": "vit_base_p
               "vit_h14_224": "vit_huge_patch14_224"}
 # image-text pairs: vitgraph's contrastive step against open_clip's (same geometry and batch)
 OPEN_CLIP_NAMES = {"clip_vit_b16": "ViT-B-16-quickgelu", "clip_vit_l14": "ViT-L-14-quickgelu"}
+VITGRAPH_ONLY = ("siglip_vit_b16",)  # vitgraph rows only: no peer of the same geometry here
 
 
 def _sync_time() -> float:
@@ -242,8 +243,10 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     if graphs:
         over += ["graphs.enabled=true", f"graphs.impl={graphs}", f"graphs.scope={scope}",
                  "graphs.warmup_steps=2"]
-    if data:  # the training loop's input pipeline from JPEG shards (nvJPEG, prefetched)
-        over += ["data.kind=webdataset", f"data.path={data}", "data.decode=cuda",
+    if data:  # the training loop's input pipeline from JPEG files (nvJPEG, prefetched)
+        kind = "imagefolder" if input_kind(data) == "imagefolder" else "webdataset"
+        over += [f"data.kind={kind}", f"data.path={data}", "data.decode=cuda",
+                 "data.preload=false", "data.augment.enabled=false",
                  "data.render_size=224",  # decoded straight to the model's size (all 224 here)
                  f"data.workers={min(16, os.cpu_count() or 1)}", "data.prefetch=true"]
     over += [*overrides]
@@ -296,6 +299,13 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     finally:
         trainer.close(shutdown_dist=False)
         del trainer
+
+
+def input_kind(data: str | None) -> str:
+    """What ``--data`` names: an ImageFolder (``train/<class>/`` inside) or JPEG shards."""
+    if not data:
+        return "synthetic"
+    return "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "shards"
 
 
 def _tokens(b: int, n: int, gen=None) -> torch.Tensor:
@@ -439,13 +449,14 @@ def _jobs(args) -> list[tuple[int, str, str, str]]:
                         continue
                 jobs.append((mb, system, precision, "synthetic"))
                 if getattr(args, "data", None) and system.startswith("vitgraph"):
-                    jobs.append((mb, system, precision, "shards"))
+                    jobs.append((mb, system, precision, input_kind(args.data)))
     return jobs
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="vit_l16_224", choices=sorted([*TIMM_NAMES, *OPEN_CLIP_NAMES]))
+    ap.add_argument("--model", default="vit_l16_224",
+                    choices=sorted([*TIMM_NAMES, *OPEN_CLIP_NAMES, *VITGRAPH_ONLY]))
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 256])
     ap.add_argument("--systems", nargs="+", default=["vitgraph", "vitgraph+graphs", "timm",
                                                      "timm+compile-reduce-overhead"])
@@ -459,7 +470,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--override", nargs="*", default=[],
                     help="extra vitgraph config overrides (key=value) for the vitgraph systems")
-    ap.add_argument("--data", help="JPEG shards: each vitgraph row again, fed from them (see Inputs)")
+    ap.add_argument("--data", help="a JPEG ImageFolder or JPEG shards: each vitgraph row again, "
+                                   "fed from them by the training loop's input pipeline (see Inputs)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many steps per system")
     ap.add_argument("--kernels", type=int, default=0,
                     help="torch.profiler over this many steps per system: top kernels by GPU time")
@@ -477,7 +489,7 @@ def main() -> int:
                 impl, scope = VITGRAPH_SYSTEMS[system]
                 res = bench_vitgraph(args.model, mb, impl, precision, args.warmup, args.iters,
                                      args.num_classes, args.microbatches, args.override, scope,
-                                     args.data if inputs == "shards" else None)
+                                     args.data if inputs != "synthetic" else None)
             elif system.startswith("open_clip"):
                 mode = {"open_clip": None, "open_clip+compile": "default"}[system]
                 res = bench_open_clip(args.model, mb, mode, args.warmup, args.iters)
@@ -511,7 +523,7 @@ def main() -> int:
             row["mfu"] = res["images_per_s"] * fpi / PEAK_FLOPS / _world()
         rows.append(row)
         if rank0:
-            name = system + (" <- shards" if inputs == "shards" else "")
+            name = system + (f" <- {inputs}" if inputs != "synthetic" else "")
             print(f"{name:28s} {row['precision']:12s} mb {mb:4d} {row['layout']:10s}: "
                   f"{res.get('images_per_s', float('nan')):9.1f} img/s "
                   f"peak {res.get('peak_mem_gib', float('nan')):6.1f} GiB allocated "
@@ -536,13 +548,13 @@ def main() -> int:
                       f"{r['images_per_s'] / base['images_per_s']:5.2f}x speed  "
                       f"{r['peak_reserved_gib'] / base['peak_reserved_gib']:5.2f}x reserved memory")
         for r in rows:
-            if r["input"] != "shards" or not r.get("images_per_s"):
+            if r["input"] == "synthetic" or not r.get("images_per_s"):
                 continue
             twin = next((q for q in rows if q["input"] == "synthetic" and q.get("images_per_s")
                          and all(q[k] == r[k] for k in ("system", "micro_batch", "precision"))), None)
             if twin:
                 print(f"  mb {r['micro_batch']:4d} {r['system']:28s} {r['precision']:12s} "
-                      f"from shards: {r['images_per_s'] / twin['images_per_s']:5.3f}x its "
+                      f"from {r['input']}: {r['images_per_s'] / twin['images_per_s']:5.3f}x its "
                       f"synthetic-input rate")
     if _world() > 1 and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -28,3 +28,44 @@ def test_prefetcher_puts_the_loaders_microbatches_on_the_device():
         assert pre.state_dict() == plain.state_dict()
     finally:
         pre.close()
+
+
+def test_an_imagefolder_decoded_by_nvjpeg_gives_the_cpu_decoders_pixels(tmp_path):
+    """data.decode=cuda on an ImageFolder: JPEGs (photo-sized, two sizes) by nvJPEG, a PNG
+    and a CMYK JPEG by the loader's threads, resized on the device, through the prefetcher;
+    the pixels are PIL's up to resampling and JPEG decoder rounding."""
+    import numpy as np
+    from PIL import Image
+    from vitgraph.data.imagefolder import list_classes, read_split
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for i in range(12):
+            w, h = (500, 375) if i % 3 else (375, 500)
+            y, x = np.mgrid[0:h, 0:w]
+            img = np.stack([(x * (i + 1)) % 256, (y * 2) % 256, (x + y) % 256], -1)
+            img = (img + rng.integers(-10, 10, img.shape)).clip(0, 255).astype(np.uint8)
+            d = tmp_path / split / f"c{i % 2}"
+            d.mkdir(parents=True, exist_ok=True)
+            im = Image.fromarray(img)
+            if i == 4:
+                im.save(d / f"{i}.png")
+            elif i == 7:
+                im.convert("CMYK").save(d / f"{i}.jpg", quality=95)
+            else:
+                im.save(d / f"{i}.jpg", quality=95)
+    classes = list_classes(str(tmp_path / "train"))
+    cpu = read_split(str(tmp_path), "train", classes, 224, workers=4, preload=True)
+    gpu = read_split(str(tmp_path), "train", classes, 224, workers=4, preload=False,
+                     decode="cuda")
+    pre = Prefetcher(MicrobatchLoader(gpu, 4, 3, 0, 1, seed=1), "cuda")
+    plain = MicrobatchLoader(cpu, 4, 3, 0, 1, seed=1)
+    try:
+        for _ in range(2):
+            got, want = pre.next_step(), plain.next_step()
+            pre.stage_next()
+            for (gi, gl), (wi, wl) in zip(got, want):
+                assert gi.is_cuda and gi.shape == wi.shape and torch.equal(gl.cpu(), wl)
+                diff = (gi.cpu().float() - wi.float()).abs()
+                assert diff.mean() < 2.0 and diff.max() < 40, (diff.mean(), diff.max())
+    finally:
+        pre.close()
