@@ -39,6 +39,12 @@ input pipeline: files read in threads and decoded by nvJPEG (``data.decode=cuda`
 The process runs with the hardware queues `vitgraph train` sets (CUDA_DEVICE_MAX_CONNECTIONS,
 32 unless set: vitgraph.set_hardware_queues), peers included; the provenance records the value.
 
+``--configs CONFIG ... --imagefolder DIR --shards DIR``: the bundled configs as a user runs
+them (``vitgraph train`` in a process of its own, on a JPEG ImageFolder or image-text shards,
+steps 50-150 timed), each against vitgraph's best bench row at its micro-batch in this run
+(``bench_config``, ``run_configs``): rows with ``config``, ``images_per_s``,
+``best_images_per_s``, ``graphs`` (what auto chose), ``loss_first`` and ``loss_last``.
+
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
 """
@@ -243,6 +249,8 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     if graphs:
         over += ["graphs.enabled=true", f"graphs.impl={graphs}", f"graphs.scope={scope}",
                  "graphs.warmup_steps=2"]
+    else:
+        over += ["graphs.enabled=false"]
     if data:  # the training loop's input pipeline from JPEG files (nvJPEG, prefetched)
         kind = "imagefolder" if input_kind(data) == "imagefolder" else "webdataset"
         over += [f"data.kind={kind}", f"data.path={data}", "data.decode=cuda",
@@ -383,6 +391,94 @@ def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters
     return {"images_per_s": mb / m.pop("sec"), **m}
 
 
+# ---------------------------------------------------------------- bundled configs as shipped
+
+def bench_config(path: Path, data: str, steps: int, log_every: int, runs: Path) -> dict:
+    """``vitgraph train CONFIG`` as a user runs it, in a process of its own, on ``data`` (its
+    own kind: an ImageFolder for a classifier, shards for a pair): the loop's rate over steps
+    ``log_every``..``steps`` (the first window, with the captures, left out), the first and
+    last logged loss, and the graph path auto chose. One GPU: the global batch is two
+    microbatches and tp / pp are 1, the rest as shipped."""
+    import re
+    from vitgraph.config import load_config
+    over = [f"data.path={data}", f"train.steps={steps}", f"train.log_every={log_every}",
+            "train.eval_every=0", "checkpoint.every=0", "train.progress=false",
+            "checkpoint.resume=false", f"run.dir={runs / path.stem}"]
+    cfg = load_config(path, [*over, "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
+                             "parallel.sequence_parallel=false"])
+    mb = cfg.train.micro_batch_size
+    over += [f"train.global_batch_size={2 * mb}", "parallel.tp=1", "parallel.pp=1",
+             "parallel.vpp=1", "parallel.sequence_parallel=false"]
+    proc = subprocess.run([sys.executable, "-m", "vitgraph", "train", str(path), *over],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run_dir = runs / path.stem
+    records = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()
+               if x.strip()] if (run_dir / "log.jsonl").is_file() else []
+    windows = [r for r in records if r.get("images_per_s") and r["step"] > log_every]
+    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").is_file() else ""
+    graphs = re.search(r"graphs: (\w+) \(", log)
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    row = {"config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
+           "model": cfg.model.name, "micro_batch": mb, "global_batch": 2 * mb,
+           "input": "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "shards",
+           "overrides": over[:-1], "exit": proc.returncode,
+           "graphs": graphs.group(1) if graphs else None,
+           # equal images per window: the rate over them is the harmonic mean
+           "images_per_s": len(windows) / sum(1 / r["images_per_s"] for r in windows) if windows else None,
+           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+    if proc.returncode:
+        row["error"] = (proc.stdout + proc.stderr)[-800:]
+    return row
+
+
+def run_configs(args) -> int:
+    """--configs: each config's as-shipped row, then vitgraph's bench rows at its model and
+    micro-batch (synthetic input, eager / layer / step graphs) in this process; the best of
+    those is the row's ``best_images_per_s``."""
+    runs = Path("/tmp/vitgraph-bench-configs")
+    rows = []
+    for path in args.configs:
+        from vitgraph.config import load_config
+        cfg = load_config(path, ["data.kind=shapes", "parallel.tp=1", "parallel.pp=1",
+                                 "parallel.vpp=1", "parallel.sequence_parallel=false"])
+        pair = cfg.model.name in OPEN_CLIP_NAMES or cfg.model.name in VITGRAPH_ONLY
+        data = args.shards if pair else args.imagefolder
+        t0 = time.time()
+        try:
+            row = bench_config(path, data, args.steps, args.log_every, runs)
+        except Exception as e:
+            traceback.print_exc()
+            row = {"config": str(path), "error": f"{type(e).__name__}: {e}"[:500]}
+        best = {}
+        for system in ("vitgraph", "vitgraph+graphs", "vitgraph+step-graphs"):
+            impl, scope = VITGRAPH_SYSTEMS[system]
+            try:
+                res = bench_vitgraph(cfg.model.name, cfg.train.micro_batch_size, impl, "bf16",
+                                     args.warmup, args.iters, args.num_classes, 2, [], scope)
+                best[system] = res["images_per_s"]
+            except Exception:
+                traceback.print_exc()
+                best[system] = None
+            gc.collect()
+            torch.cuda.empty_cache()
+        done = {k: v for k, v in best.items() if v}
+        row["bench_images_per_s"] = best
+        row["best_system"] = max(done, key=done.get) if done else None
+        row["best_images_per_s"] = max(done.values()) if done else None
+        if row.get("images_per_s") and row["best_images_per_s"]:
+            row["ratio"] = row["images_per_s"] / row["best_images_per_s"]
+        row["wall_s"] = round(time.time() - t0, 1)
+        rows.append(row)
+        print(f"{row['config']:34s} graphs {row.get('graphs')}: {row.get('images_per_s') or float('nan'):8.1f} "
+              f"img/s as shipped ({row.get('input')}), best bench row {row['best_system']} "
+              f"{row['best_images_per_s'] or float('nan'):8.1f} -> {row.get('ratio', float('nan')):.3f}x; "
+              f"loss {row.get('loss_first') or float('nan'):.4f} -> {row.get('loss_last') or float('nan'):.4f}"
+              + (f"  ERROR {row['error'][-300:]}" if row.get("error") else ""), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))
+    return 0
+
+
 # ---------------------------------------------------------------- driver
 
 def provenance(args) -> dict:
@@ -475,11 +571,20 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many steps per system")
     ap.add_argument("--kernels", type=int, default=0,
                     help="torch.profiler over this many steps per system: top kernels by GPU time")
+    ap.add_argument("--configs", nargs="+", type=Path,
+                    help="bundled configs: each as shipped through `vitgraph train` on --imagefolder "
+                         "(classifiers) or --shards (image-text pairs), against the bench rows")
+    ap.add_argument("--imagefolder", help="--configs: a JPEG ImageFolder for the classifiers")
+    ap.add_argument("--shards", help="--configs: JPEG image-text shards for the pairs")
+    ap.add_argument("--steps", type=int, default=150, help="--configs: steps of each run")
+    ap.add_argument("--log-every", type=int, default=50, help="--configs: the rate's windows")
     args = ap.parse_args()
     global PROFILE, KERNELS
     PROFILE, KERNELS = args.profile, args.kernels
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    if args.configs:
+        return run_configs(args)
 
     rows = []
     for mb, system, precision, inputs in _jobs(args):

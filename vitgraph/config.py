@@ -346,6 +346,16 @@ def _coerce(hint, value, src: str, key: str):
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         optional = len(args) < len(typing.get_args(hint))
+        if len(args) > 1:  # e.g. bool | str (graphs.enabled: true | false | auto)
+            if value is None and optional:
+                return None
+            for a in args:
+                try:
+                    return _coerce(a, value, src, key)
+                except ConfigError:
+                    pass
+            names = " or ".join(a.__name__ for a in args)
+            raise ConfigError(f"{src}: {key} must be a {names}, got {value!r}")
         hint = args[0]
     if value is None:
         if optional:
@@ -520,7 +530,7 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     if p.overlap_p2p_comm and p.vpp == 1:
         err("parallel.overlap_p2p_comm", True, "megatron overlaps p2p only in the interleaved "
                                               "schedule: needs parallel.vpp > 1")
-    if cfg.graphs.enabled and cfg.graphs.scope == "step" and t.precision == "fp8" \
+    if cfg.graphs.enabled is True and cfg.graphs.scope == "step" and t.precision == "fp8" \
             and t.fp8_recipe != "current":
         # current scaling computes each scale from its tensor, on the device, inside the step;
         # delayed scaling keeps an amax history that TE updates from the host between steps
@@ -534,7 +544,7 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":
         err("train.precision", "fp8", "FP8 needs Transformer Engine layers (model.spec=te or auto on a GPU)")
-    if t.precision == "fp8" and cfg.graphs.enabled and cfg.graphs.impl != "te" \
+    if t.precision == "fp8" and cfg.graphs.enabled is True and cfg.graphs.impl != "te" \
             and cfg.graphs.scope == "layer":
         err("graphs.impl", cfg.graphs.impl, "train.precision=fp8 with graphs needs graphs.impl=te "
                                              "(TE owns the FP8 scaling state around each replay)")

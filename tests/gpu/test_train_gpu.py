@@ -14,7 +14,8 @@ pytestmark = pytest.mark.gpu
 BASE = ["data.kind=shapes", "data.num_train=64", "data.num_val=64", "data.render_size=32",
         "model.num_layers=2", "train.global_batch_size=8", "train.micro_batch_size=8",
         "train.steps=1000", "train.tensorboard=false", "train.progress=false",
-        "train.log_every=1000", "train.eval_batch_size=8"]
+        "train.log_every=1000", "train.eval_batch_size=8",
+        "graphs.enabled=false"]  # eager unless a test asks for graphs (auto: step graphs)
 
 
 def make_trainer(tmp_path, *over):

@@ -5,6 +5,7 @@ or the whole training step (step.py, graphs.scope=step).
     manager = GraphManager.for_model(model_chunks, GraphsConfig(enabled=True))
 """
 
+from .auto import GraphPath, choose_graphs
 from .backend import CaptureBackend, CudaBackend, RerunBackend, default_backend, use_side_stream
 from .callable import GraphedCallable
 from .config import GraphsConfig
@@ -22,6 +23,8 @@ __all__ = [
     "GraphedCallable",
     "TEGraphedCallable",
     "GraphsConfig",
+    "GraphPath",
+    "choose_graphs",
     "GraphManager",
     "StepGraphs",
     "find_transformer_layers",

@@ -1,7 +1,9 @@
 """The `graphs:` section of a vitgraph experiment.
 
     graphs:
-      enabled: true        # capture each encoder layer's forward + backward as CUDA graphs
+      enabled: auto        # auto: the fastest path the config allows on this machine (step
+                           #   graphs on a GPU; see auto.py); true: graphs as scope/impl say;
+                           #   false: eager
       impl: local          # local: vitgraph's own capture on torch.cuda.CUDAGraph
                            # te:    Transformer Engine's make_graphed_callables (needed for FP8)
       scope: layer         # layer: one graph pair per TransformerLayer (impl applies)
@@ -32,7 +34,7 @@ POOLS = ("auto", "shared", "slot")
 
 @dataclass
 class GraphsConfig:
-    enabled: bool = False
+    enabled: bool | str = "auto"  # true | false | auto (resolved at start-up: auto.py)
     impl: str = "local"
     scope: str = "layer"
     warmup_steps: int = 3
@@ -48,8 +50,8 @@ class GraphsConfig:
         def bad(key: str, value: object, why: str) -> ValueError:
             return ValueError(f"graphs.{key}={value!r}: {why}")
 
-        if not isinstance(self.enabled, bool):
-            raise bad("enabled", self.enabled, "must be true or false")
+        if not isinstance(self.enabled, bool) and self.enabled != "auto":
+            raise bad("enabled", self.enabled, "must be true, false or auto")
         if self.impl not in IMPLS:
             raise bad("impl", self.impl, f"must be one of {', '.join(IMPLS)}")
         if self.scope not in SCOPES:

@@ -32,6 +32,7 @@ from vitgraph.models.init import init_weights
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import get_layer_spec, resolve_spec
 from vitgraph.models.vit import ViT, sequence_length
+from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.parallel import cpu_shims
 
 log = logging.getLogger("vitgraph")
@@ -50,6 +51,7 @@ class Dist:
     pp_rank: int
     dp_rank: int
     vpp: int = 1
+    graphs: GraphPath | None = None  # the graph path chosen for this run (graphs.enabled: auto)
 
     @property
     def is_first_stage(self) -> bool:
@@ -82,11 +84,13 @@ def init_distributed(cfg: Config) -> Dist:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     p = cfg.parallel
+    path = choose_graphs(cfg.graphs, cuda, cfg.train.precision, cfg.train.fp8_recipe, p.tp)
+    graphs = path.config
     if cuda:
         check_precision(cfg, local_rank)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        if cfg.graphs.enabled and not p.nccl_graph_register:
+        if graphs.enabled and not p.nccl_graph_register:
             # read by NCCL when a communicator is made: no user-buffer registration of
             # buffers used inside CUDA graphs (it has hung tp runs with graphs)
             os.environ["NCCL_GRAPH_REGISTER"] = "0"
@@ -104,13 +108,13 @@ def init_distributed(cfg: Config) -> Dist:
                                  distributed_timeout_minutes=p.timeout_minutes)
     d = Dist(rank, world, local_rank, device, p.tp, p.pp, ps.get_data_parallel_world_size(),
              ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-             ps.get_data_parallel_rank(), vpp=p.vpp)
-    if cuda and cfg.graphs.enabled:
+             ps.get_data_parallel_rank(), vpp=p.vpp, graphs=path)
+    if cuda and graphs.enabled:
         # graphs capture on the training stream, which must not be the legacy default stream
         # (megatron DDP's grad-accumulation nodes remember the stream they were made on)
         from vitgraph.graphs import use_side_stream
         use_side_stream(device)
-    seed_everything(cfg.train.seed, d, graphs=cfg.graphs.enabled,
+    seed_everything(cfg.train.seed, d, graphs=graphs.enabled,
                     te=resolve_spec(cfg.model.spec) == "te")
     return d
 
@@ -358,11 +362,20 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
                         "weight-gradient GEMMs fall back to slow kernels for them. "
                         "parallel.distributed_optimizer=true pads every one.", len(bad),
                         ", ".join(bad[:3]))
+    gcfg = graph_config(cfg, d)
     graphs = None
-    if cfg.graphs.enabled and cfg.graphs.scope == "step":
+    if gcfg.enabled and gcfg.scope == "step":
         from vitgraph.graphs import StepGraphs
-        graphs = StepGraphs(cfg.graphs, barrier=dist.barrier)
-    elif cfg.graphs.enabled:
+        graphs = StepGraphs(gcfg, barrier=dist.barrier)
+    elif gcfg.enabled:
         from vitgraph.graphs import GraphManager
-        graphs = GraphManager.for_model(wrapped, cfg.graphs, pipeline_size=d.pp)
+        graphs = GraphManager.for_model(wrapped, gcfg, pipeline_size=d.pp)
     return wrapped, graphs
+
+
+def graph_config(cfg: Config, d: Dist):
+    """The ``graphs`` section as this run applies it (``graphs.enabled: auto`` resolved)."""
+    if d.graphs is not None:
+        return d.graphs.config
+    return choose_graphs(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe,
+                         d.tp).config

@@ -167,7 +167,7 @@ class ContrastiveTask(Task):
         else:
             loss = clip_loss(image, text, scale, group=group)
         b = image.shape[0]
-        n = torch.tensor(b, device=image.device)
+        n = torch.full((), b, device=image.device)  # no host-to-device copy: capturable
         with torch.no_grad():
             correct = ((image @ text.T).argmax(dim=1) == torch.arange(b, device=image.device)).sum()
         return loss, stats(loss.detach().clone() * n, correct, n)

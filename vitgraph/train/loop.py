@@ -123,7 +123,7 @@ class Trainer:
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  f"{torch.cuda.get_device_name()}, {queues} hardware queues "
                  "(CUDA_DEVICE_MAX_CONNECTIONS)" if d.cuda else "CPU (gloo, shims active)")
-        if d.cuda and cfg.data.decode == "cuda" and queues < HARDWARE_QUEUES:
+        if d.cuda and cfg.data.decode != "cpu" and queues < HARDWARE_QUEUES:
             log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%d: with data.decode=cuda fewer hardware "
                         "queues slow training from shards (H200, ViT-B/16: 0.86x the synthetic "
                         "rate with 8, 0.95x with 32); unset it for vitgraph's %d",
@@ -147,7 +147,7 @@ class Trainer:
                 init_from(chunk, cfg.model.init_from, cfg.model.init_format)
         self.wrapped, self.graphs = parallelize(self.chunks, cfg, d)
         self.bf16 = use_bf16(cfg, d)
-        self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda)
+        self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda, d.graphs.config)
 
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
@@ -188,6 +188,7 @@ class Trainer:
         if d.rank == 0 and t.tensorboard and not readonly:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        log.info("graphs: %s (%s)", d.graphs.name, d.graphs.reason)
         if d.cuda:
             from vitgraph.graphs.cudnn import warn_if_fallback
             warn_if_fallback(log)

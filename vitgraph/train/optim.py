@@ -298,11 +298,12 @@ def _copy_weights_in_one_kernel(optimizer) -> None:
             part._copy_main_params_to_model_params = lambda part=part: float16_copy(part)
 
 
-def build_optimizer(chunks: list, cfg: Config, cuda: bool):
+def build_optimizer(chunks: list, cfg: Config, cuda: bool, graphs=None):
     """``chunks``: this rank's (wrapped) model chunks. With graphs.scope=step on GPU the
     megatron optimizer's ``step`` is replaced by a ``SyncFreeStep`` (its ``load_lr`` is
-    called before every step)."""
+    called before every step). ``graphs``: the resolved graphs section (default cfg.graphs)."""
     o = cfg.optim
+    graphs = graphs or cfg.graphs
     if not cuda:
         return CpuOptimizer(chunks, cfg)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -320,7 +321,7 @@ def build_optimizer(chunks: list, cfg: Config, cuda: bool):
     optimizer = get_megatron_optimizer(
         ocfg, chunks, config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
     _copy_weights_in_one_kernel(optimizer)
-    if cfg.graphs.enabled and cfg.graphs.scope == "step":
+    if graphs.enabled is True and graphs.scope == "step":
         sync_free = SyncFreeStep(optimizer, o.clip_grad)
         optimizer.step, optimizer.load_lr = sync_free.step, sync_free.load_lr
         return optimizer
