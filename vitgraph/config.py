@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
-from vitgraph.config_keys import ConfigError, check_section, coerce, key, resume_ok
+from vitgraph.config_keys import ConfigError, check_section, coerce_field, key, resume_ok
 from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
 
@@ -392,7 +392,8 @@ def _check_override(item: str, key: str, value: Any) -> None:
             return  # a key under a value: _set_dotted says so
     hint = typing.get_type_hints(cls)[parts[-1]]
     if not dataclasses.is_dataclass(hint):
-        coerce(hint, value, f"override {item!r}: {key}")
+        f = next(f for f in dataclasses.fields(cls) if f.name == parts[-1])
+        coerce_field(f, hint, value, f"override {item!r}: {key}")
 
 
 def _set_dotted(raw: dict, key: str, value: Any, src: str) -> None:
@@ -422,7 +423,7 @@ def _build(cls, raw: Any, src: str, prefix: str):
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value if value is not None else {}, src, full + ".")
         else:
-            kwargs[key] = coerce(hint, value, f"{src}: {full}")
+            kwargs[key] = coerce_field(fields[key], hint, value, f"{src}: {full}")
     try:
         return cls(**kwargs)
     except ConfigError as e:  # sections that check themselves when made (GraphsConfig)

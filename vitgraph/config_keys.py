@@ -119,8 +119,9 @@ def _types(hint) -> tuple[list, bool]:
 
 
 def _type_name(hint) -> str:
-    allowed, _ = _types(hint)
-    return " or ".join(t.__name__ for t in allowed)
+    """'an int', 'a bool or str'."""
+    names = " or ".join(t.__name__ for t in _types(hint)[0])
+    return ("an " if names[0] in "aeiou" else "a ") + names
 
 
 def coerce(hint, value: Any, where: str) -> Any:
@@ -131,7 +132,7 @@ def coerce(hint, value: Any, where: str) -> Any:
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{where} must be a {_type_name(hint)}, got null")
+        raise ConfigError(f"{where} must be {_type_name(hint)}, got null")
     for t in allowed:
         if t is bool and isinstance(value, bool):
             return value
@@ -148,8 +149,16 @@ def coerce(hint, value: Any, where: str) -> Any:
                 return float(v)
         if t in (str, list) and isinstance(value, t):
             return value
-    raise ConfigError(f"{where} must be a {_type_name(hint)}, got {value!r} "
+    raise ConfigError(f"{where} must be {_type_name(hint)}, got {value!r} "
                       f"({type(value).__name__})")
+
+
+def coerce_field(f: dataclasses.Field, hint, value: Any, where: str) -> Any:
+    """``coerce`` for the field ``f``; a field with choices takes its value as it is, for
+    ``check_section`` to name the choices."""
+    if declared(f).choices is not None and value is not None:
+        return value
+    return coerce(hint, value, where)
 
 
 def check_section(section: Any, prefix: str, src: Optional[str] = None) -> None:
@@ -164,8 +173,7 @@ def check_section(section: Any, prefix: str, src: Optional[str] = None) -> None:
             check_section(value, name + ".", src)
             continue
         spec = declared(f)
-        if spec.choices is None or value is None:  # a value among the choices has its type
-            coerce(hints[f.name], value, at + name)
+        coerce_field(f, hints[f.name], value, at + name)
         why = spec.problem(value, section)
         if why:
             raise ConfigError(f"{at}{name}={value!r}: {why}")
