@@ -144,8 +144,10 @@ def test_unreadable_imagefolder_exits_2_naming_the_file(tmp_path, capsys):
 # ---------------------------------------------------------------- keys declared on their fields
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.spec=toch"], "model.spec='toch': must be one of auto, te, torch (did you mean 'torch'?)"),
-    (["graphs.pool=shard"], "graphs.pool='shard': must be one of auto, shared, slot (did you mean 'shared'?)"),
+    (["model.spec=toch"],
+     "model.spec='toch': must be one of auto, te, torch (did you mean 'torch'?)"),
+    (["graphs.pool=shard"],
+     "graphs.pool='shard': must be one of auto, shared, slot (did you mean 'shared'?)"),
     (["graphs.enabled=maybe"], "graphs.enabled='maybe': must be one of true, false, auto"),
     (["graphs.enabled=1"], "graphs.enabled=1: must be one of true, false, auto"),
     (["optim.lr=0"], "optim.lr=0.0: must be positive"),
@@ -207,8 +209,10 @@ def test_keys_say_whether_a_resume_may_change_them():
 def test_unknown_key_on_the_command_line_is_an_error_of_the_override():
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, ["train.stepz=5"])
-    assert str(e.value) == "override 'train.stepz=5': unknown key 'train.stepz' (did you mean 'train.steps'?)"
-    with pytest.raises(ConfigError, match=r"^override 'train.steps=five': train.steps must be an int"):
+    assert str(e.value) == ("override 'train.stepz=5': unknown key 'train.stepz' "
+                            "(did you mean 'train.steps'?)")
+    with pytest.raises(ConfigError,
+                       match=r"^override 'train.steps=five': train.steps must be an int"):
         load_config(DEFAULT, ["train.steps=five"])
 
 
@@ -230,7 +234,8 @@ def test_validate_reads_no_environment(monkeypatch):
     cfg = load_config(DEFAULT, ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8"])
     check_layout(cfg, 2)
     check_layout(cfg, 4)
-    with pytest.raises(ConfigError, match=r"microbatches per step \(1 = .* multiple of parallel.pp=2"):
+    with pytest.raises(ConfigError,
+                       match=r"microbatches per step \(1 = .* multiple of parallel.pp=2"):
         check_layout(cfg, 8)
     # the shipped tp-2 config loads anywhere
     load_config(ROOT / "configs" / "vit-l16-imagefolder.yaml", ["data.kind=shapes"])

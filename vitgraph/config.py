@@ -23,9 +23,6 @@ from vitgraph.config_keys import ConfigError, check_section, coerce_field, key, 
 from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
 
-__all__ = ["Config", "ConfigError", "check_layout", "load_config", "may_change_on_resume",
-           "save_config", "validate"]
-
 
 @dataclass
 class ModelConfig:
@@ -293,16 +290,16 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if bases:
             src += f" (base {' -> '.join(bases)})"
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
+        dotted, sep, value = item.partition("=")
+        if not sep or not dotted:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
-        key = key.strip()
+        dotted = dotted.strip()
         value = yaml.safe_load(value) if value != "" else None
-        _check_override(item, key, value)
-        _set_dotted(raw, key, value, f"override {item!r}")
+        _check_override(item, dotted, value)
+        _set_dotted(raw, dotted, value, f"override {item!r}")
         # a duration given on the command line replaces the file's other duration
-        if key in ("train.steps", "train.epochs"):
-            _replace_duration(raw, {key.split(".")[1]})
+        if dotted in ("train.steps", "train.epochs"):
+            _replace_duration(raw, {dotted.split(".")[1]})
     cfg = _build(Config, raw, src, prefix="")
     validate(cfg, src)
     resolve_auto(cfg)
@@ -335,11 +332,13 @@ def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[di
     if not isinstance(parent, str) or not parent:
         raise ConfigError(f"{name}: base={parent!r}: must be the path of another config file "
                           "(relative to this one)")
-    below, bases = _read(path.parent / Path(parent).expanduser(), [*chain, path], parent)
+    # normpath: "configs/../x.yaml" named as "x.yaml" in messages
+    below_path = Path(os.path.normpath(path.parent / Path(parent).expanduser()))
+    below, bases = _read(below_path, [*chain, path], parent)
     merged = _merge(below, raw)
     if isinstance(raw.get("train"), dict):  # a duration here replaces the base's other one
         _replace_duration(merged, set(raw["train"]) & {"steps", "epochs"})
-    return merged, [str(path.parent / parent), *bases]
+    return merged, [str(below_path), *bases]
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -374,11 +373,11 @@ def _unknown_key(cls, tree: dict, prefix: str = "") -> Optional[str]:
     return None
 
 
-def _check_override(item: str, key: str, value: Any) -> None:
-    """An override naming no key, or giving a key a value of another type, is an error of
-    the override (not of the file)."""
+def _check_override(item: str, dotted: str, value: Any) -> None:
+    """An override naming no key, or giving a key a value of another type, is an error of the
+    override (not of the file)."""
     tree = node = {}
-    parts = key.split(".")
+    parts = dotted.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
@@ -393,18 +392,18 @@ def _check_override(item: str, key: str, value: Any) -> None:
     hint = typing.get_type_hints(cls)[parts[-1]]
     if not dataclasses.is_dataclass(hint):
         f = next(f for f in dataclasses.fields(cls) if f.name == parts[-1])
-        coerce_field(f, hint, value, f"override {item!r}: {key}")
+        coerce_field(f, hint, value, f"override {item!r}: {dotted}")
 
 
-def _set_dotted(raw: dict, key: str, value: Any, src: str) -> None:
+def _set_dotted(raw: dict, dotted: str, value: Any, src: str) -> None:
     node = raw
-    parts = key.split(".")
+    parts = dotted.split(".")
     for part in parts[:-1]:
         nxt = node.setdefault(part, {})
         if nxt is None:  # an empty section in the file
             nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"{src}: {key}: {part} is not a section")
+            raise ConfigError(f"{src}: {dotted}: {part} is not a section")
         node = nxt
     node[parts[-1]] = value
 
@@ -415,23 +414,24 @@ def _build(cls, raw: Any, src: str, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    for key, value in raw.items():
-        full = prefix + str(key)
-        if key not in fields:
-            raise ConfigError(f"{src}: unknown key {full!r}{_suggest(prefix, str(key), list(fields))}")
-        hint = hints[key]
+    for name, value in raw.items():
+        full = prefix + str(name)
+        if name not in fields:
+            raise ConfigError(f"{src}: unknown key {full!r}"
+                              f"{_suggest(prefix, str(name), list(fields))}")
+        hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value if value is not None else {}, src, full + ".")
+            kwargs[name] = _build(hint, value if value is not None else {}, src, full + ".")
         else:
-            kwargs[key] = coerce_field(fields[key], hint, value, f"{src}: {full}")
+            kwargs[name] = coerce_field(fields[name], hint, value, f"{src}: {full}")
     try:
         return cls(**kwargs)
     except ConfigError as e:  # sections that check themselves when made (GraphsConfig)
         raise ConfigError(f"{src}: {e}") from None
 
 
-def _suggest(prefix: str, key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+def _suggest(prefix: str, name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     if close:
         return f" (did you mean {prefix + close[0]!r}?)"
     return f" (valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(valid)})"
@@ -481,9 +481,9 @@ def _validate_contrastive(cfg: Config, err) -> None:
             "image-text pair has none to mix: set data.augment.mixup_alpha=0 cutmix_alpha=0")
     if cfg.train.label_smoothing:
         err("train.label_smoothing", cfg.train.label_smoothing, "classification only")
-    for key in ("num_heads", "ffn_hidden_size"):
-        if getattr(arch.text, key) % p.tp:
-            err("parallel.tp", p.tp, f"the text tower's {key}={getattr(arch.text, key)} is not "
+    for dim in ("num_heads", "ffn_hidden_size"):
+        if getattr(arch.text, dim) % p.tp:
+            err("parallel.tp", p.tp, f"the text tower's {dim}={getattr(arch.text, dim)} is not "
                                      "divisible by it")
 
 
@@ -492,8 +492,8 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     nothing here depends on the machine or the launch (``check_layout`` takes the world size)."""
     from vitgraph.models.registry import CLIP_MODELS, resolve_arch
 
-    def err(key, value, why):
-        raise ConfigError(f"{src}: {key}={value!r}: {why}")
+    def err(name, value, why):
+        raise ConfigError(f"{src}: {name}={value!r}: {why}")
 
     check_section(cfg, "", src)
 

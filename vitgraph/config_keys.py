@@ -83,8 +83,8 @@ def key(default: Any = dataclasses.MISSING, *, choices: Optional[tuple] = None,
         resume_ok: bool = False) -> Any:
     """A dataclass field with ``default`` whose value is checked by ``check_section``:
     one of ``choices``; within ``min`` / ``max`` (inclusive) and ``above`` / ``below``
-    (exclusive); passing ``check(value, section)`` (``why`` is then the error). ``resume_ok``: a resumed run
-    may change it (vitgraph.train.runcheck)."""
+    (exclusive); passing ``check(value, section)`` (``why`` is then the error).
+    ``resume_ok``: a resumed run may change it (vitgraph.train.runcheck)."""
     if check is not None and not why:
         raise TypeError("key(check=...) needs why=... for its error message")
     return dataclasses.field(default=default, metadata={META: Key(
