@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from vitgraph.cli import main
-from vitgraph.config import Config, ConfigError, load_config
+from vitgraph.config import Config, ConfigError, load_config, save_config
 
 from conftest import ROOT, vitgraph_cmd
 
@@ -139,3 +139,192 @@ def test_unreadable_imagefolder_exits_2_naming_the_file(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "data error" in err and "broken.png" in err
+
+
+# ---------------------------------------------------------------- keys declared on their fields
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.spec=toch"],
+     "model.spec='toch': must be one of auto, te, torch (did you mean 'torch'?)"),
+    (["graphs.pool=shard"],
+     "graphs.pool='shard': must be one of auto, shared, slot (did you mean 'shared'?)"),
+    (["graphs.enabled=maybe"], "graphs.enabled='maybe': must be one of true, false, auto"),
+    (["graphs.enabled=1"], "graphs.enabled=1: must be one of true, false, auto"),
+    (["optim.lr=0"], "optim.lr=0.0: must be positive"),
+    (["optim.warmup_fraction=1"], "optim.warmup_fraction=1.0: must be in [0, 1)"),
+    (["data.cpu_decode_share=1.5"], "data.cpu_decode_share=1.5: must be in [0, 1]"),
+    (["parallel.vpp=0"], "parallel.vpp=0: must be >= 1"),
+    (["checkpoint.every=-1"], "checkpoint.every=-1: must be >= 0"),
+    (["data.augment.magnitude=11"], "data.augment.magnitude=11.0: must be in [0, 10]"),
+    (["data.augment.crop_scale_min=0"], "data.augment.crop_scale_min=0.0: must be in (0, 1]"),
+    (["data.augment.crop_scale_min=0.5", "data.augment.crop_scale_max=0.4"],
+     "data.augment.crop_scale_max=0.4: must be >= data.augment.crop_scale_min"),
+    (["train.inject_nan_steps=5-x"], "train.inject_nan_steps='5-x': expected steps such as '5'"),
+    (["task.templates=[a photo]"], 'task.templates=[\'a photo\']: a non-empty list of prompts'),
+])
+def test_field_declared_choices_and_ranges(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, overrides)
+    assert str(e.value).startswith(f"{DEFAULT}: {message}"), e.value
+
+
+def test_defaults_pass_their_own_declarations():
+    from vitgraph.config_keys import check_section
+    check_section(Config(), "")  # every default among its choices and inside its range
+
+
+def test_sections_check_themselves_with_the_same_error():
+    """graphs and augment are used on their own (GraphManager, BatchAugment): the same check,
+    the same ConfigError (a ValueError), without a file name."""
+    from vitgraph.data.augment import AugmentConfig
+    from vitgraph.graphs.config import GraphsConfig
+    with pytest.raises(ConfigError, match=r"^graphs\.impl='cuda': must be one of local, te$"):
+        GraphsConfig(impl="cuda")
+    with pytest.raises(ConfigError, match=r"^graphs\.capture_warmup_iters must be an int"):
+        GraphsConfig(capture_warmup_iters=1.5)
+    assert GraphsConfig(enabled="auto").enabled == "auto"
+    with pytest.raises(ConfigError, match=r"^data\.augment\.flip=2: must be in \[0, 1\]$"):
+        AugmentConfig(flip=2).validate()
+
+
+def test_graphs_enabled_auto_is_kept_for_start_up():
+    # resolved at start-up, where the machine is known (vitgraph.graphs.auto), not when loaded
+    assert load_config(DEFAULT).graphs.enabled == "auto"
+    assert load_config(DEFAULT, ["graphs.enabled=true"]).graphs.enabled is True
+    # the graphs rules bind an explicit true, not auto
+    load_config(DEFAULT, ["train.precision=fp8", "model.spec=te", "graphs.enabled=auto"])
+
+
+def test_keys_say_whether_a_resume_may_change_them():
+    from vitgraph.config import may_change_on_resume
+    for key in ("train.steps", "train.micro_batch_size", "data.workers", "data.decode", "parallel.tp",
+                "parallel.vpp", "graphs.scope", "graphs.enabled", "checkpoint.keep", "run.name"):
+        assert may_change_on_resume(key), key
+    for key in ("model.name", "train.global_batch_size", "optim.lr", "data.augment.enabled",
+                "parallel.distributed_optimizer", "train.nosuch", "nosuch.key", "train"):
+        assert not may_change_on_resume(key), key
+
+
+# ---------------------------------------------------------------- overrides
+
+def test_unknown_key_on_the_command_line_is_an_error_of_the_override():
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, ["train.stepz=5"])
+    assert str(e.value) == ("override 'train.stepz=5': unknown key 'train.stepz' "
+                            "(did you mean 'train.steps'?)")
+    with pytest.raises(ConfigError,
+                       match=r"^override 'train.steps=five': train.steps must be an int"):
+        load_config(DEFAULT, ["train.steps=five"])
+
+
+# ---------------------------------------------------------------- the world size
+
+def test_validate_reads_no_environment(monkeypatch):
+    """Whether a config is valid does not depend on how it was launched; the layout is checked
+    once the world size is known."""
+    from vitgraph.config import check_layout
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = load_config(DEFAULT, ["parallel.tp=2"])  # tp 2 in a world of 3: not validate's
+    check_layout(cfg, 2)
+    with pytest.raises(ConfigError, match=r"parallel.tp x parallel.pp = 2 x 1: world size 3"):
+        check_layout(cfg, 3)
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=32: not divisible by "
+                                          r"train.micro_batch_size x data-parallel size = 32 x 2"):
+        check_layout(cfg, 4)
+    # 4 layers over pp 2 x vpp 2; microbatches per step = 32 / (8 x dp)
+    cfg = load_config(DEFAULT, ["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=8"])
+    check_layout(cfg, 2)
+    check_layout(cfg, 4)
+    with pytest.raises(ConfigError,
+                       match=r"microbatches per step \(1 = .* multiple of parallel.pp=2"):
+        check_layout(cfg, 8)
+    # the shipped tp-2 config loads anywhere
+    load_config(ROOT / "configs" / "vit-l16-imagefolder.yaml", ["data.kind=shapes"])
+
+
+def test_init_distributed_checks_the_layout_before_any_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    from vitgraph.parallel.setup import init_distributed
+    if dist.is_initialized():
+        pytest.skip("a process group of another test is up")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="world size 3"):
+        init_distributed(load_config(DEFAULT, ["parallel.tp=2", "model.spec=torch"]))
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- base: inheritance
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_a_config_inherits_its_base_key_by_key(tmp_path):
+    _write(tmp_path / "root.yaml", "model: {name: vit_pico_patch4_32, num_registers: 1}\n"
+           "train: {epochs: 2, seed: 7, global_batch_size: 16, micro_batch_size: 16}\n"
+           "task: {templates: ['a {}', 'the {}']}\n"
+           "data: {augment: {enabled: true, flip: 0.1, mixup_alpha: 0.5}}\n")
+    _write(tmp_path / "a" / "mid.yaml", "base: ../root.yaml\ndata: {augment: {flip: 0.2}}\n"
+           "task: {templates: ['one {}']}\n")
+    child = _write(tmp_path / "b" / "child.yaml", "base: ../a/mid.yaml\ntrain: {steps: 5}\n"
+                   "graphs:\nrun: {name: child}\n")
+    cfg = load_config(child)
+    a = cfg.data.augment
+    assert a.enabled and a.flip == 0.2 and a.mixup_alpha == 0.5  # nested mappings merged
+    assert cfg.task.templates == ["one {}"]  # lists replaced
+    assert cfg.model.num_registers == 1 and cfg.train.seed == 7  # from two files up
+    assert cfg.train.steps == 5 and cfg.train.epochs is None  # a duration replaces the other
+    assert cfg.run.name == "child"
+    saved = tmp_path / "run" / "config.yaml"
+    save_config(cfg, saved)  # the resolved config, no base
+    raw = yaml.safe_load(saved.read_text())
+    assert "base" not in raw and raw["data"]["augment"]["mixup_alpha"] == 0.5
+    assert load_config(saved).to_dict() == cfg.to_dict()
+
+
+def test_a_base_cycle_or_a_missing_base_is_an_error_naming_the_files(tmp_path, capsys):
+    a = _write(tmp_path / "a.yaml", "base: b.yaml\n")
+    b = _write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(a)
+    assert str(e.value) == f"{a}: the base files make a cycle: {a} -> {b} -> {a}"
+    own = _write(tmp_path / "own.yaml", "base: own.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(own)
+    orphan = _write(tmp_path / "orphan.yaml", "base: gone.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(orphan)
+    assert str(orphan) in str(e.value) and str(tmp_path / "gone.yaml") in str(e.value)
+    assert main(["train", str(orphan)]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = _write(tmp_path / "bad.yaml", "base: [x]\n")
+    with pytest.raises(ConfigError, match="bad.yaml: base="):
+        load_config(bad)
+
+
+def test_an_error_in_a_base_names_that_file(tmp_path):
+    base = _write(tmp_path / "base.yaml", "train: {stpes: 3}\n")
+    child = _write(tmp_path / "child.yaml", "base: base.yaml\n")
+    with pytest.raises(ConfigError, match=rf"^{base}: unknown key 'train.stpes'"):
+        load_config(child)
+    _write(tmp_path / "base.yaml", "model: {spec: jax}\n")
+    with pytest.raises(ConfigError, match=rf"^{child} \(base {base}\): model.spec='jax'"):
+        load_config(child)
+
+
+def test_the_l16_config_is_the_b16_config_with_its_own_differences():
+    b16 = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", ["data.kind=shapes"])
+    l16 = load_config(ROOT / "configs" / "vit-l16-imagefolder.yaml", ["data.kind=shapes"])
+    flat = [{f"{s}.{k}": v for s, sec in c.to_dict().items() for k, v in sec.items()}
+            for c in (b16, l16)]
+    differ = {k for k in flat[0] if flat[0][k] != flat[1][k]}
+    assert differ == {"model.name", "train.micro_batch_size", "optim.lr", "optim.warmup_steps",
+                      "parallel.tp", "run.name"}
+    assert (l16.model.name, l16.parallel.tp, l16.train.micro_batch_size, l16.graphs.enabled) == \
+        ("vit_l16_224", 2, 64, "auto")
+    assert l16.train.global_batch_size == 4096 and l16.train.epochs == 300
+    assert l16.data.augment.enabled and l16.model.spec == "te"

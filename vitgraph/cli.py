@@ -79,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and not args.config:
         parser.train_parser.print_help(sys.stderr)
         return 2
-    from vitgraph.config import ConfigError, load_config
+    from vitgraph.config import ConfigError, check_layout, load_config
     try:
         cfg = load_config(args.config, args.overrides)
+        # torchrun's world size (1 without torchrun): a layout that cannot run stops here
+        check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), args.config)
     except ConfigError as e:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2

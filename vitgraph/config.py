@@ -1,15 +1,17 @@
 """Experiment configuration: YAML -> typed dataclasses, dotted overrides, strict validation.
 
 Everything is checked here, before any process group or model exists, so a typo costs a
-second instead of a queue slot. Every error is a ``ConfigError`` whose message names the
-file, the key and the value; the CLI turns it into exit code 2.
+second instead of a queue slot. Each key declares on its field what its value may be and
+whether a resumed run may change it (``key()``, vitgraph.config_keys); ``validate`` adds the
+rules between keys, ``check_layout`` those that need the world size. Every error is a
+``ConfigError`` whose message names the file (or the override), the key and the value; the
+CLI turns it into exit code 2.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +19,9 @@ from typing import Any, Optional
 
 import yaml
 
+from vitgraph.config_keys import ConfigError, check_section, coerce_field, key, resume_ok
 from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
-
-
-class ConfigError(ValueError):
-    """A config problem the user must fix; the message names the key and value."""
 
 
 @dataclass
@@ -31,7 +30,7 @@ class ModelConfig:
     name: str = "vit_pico_patch4_32"
     # layer spec: te (Transformer Engine modules), torch (plain PyTorch, runs on CPU),
     # auto (te when CUDA and TE are present, else torch)
-    spec: str = "auto"
+    spec: str = key("auto", choices=("auto", "te", "torch"))
     # None: take the registry's value
     image_size: Optional[int] = None
     patch_size: Optional[int] = None
@@ -42,7 +41,7 @@ class ModelConfig:
     num_classes: Optional[int] = None  # None: the dataset's class count
     num_registers: int = 0
     class_token: bool = True
-    pool: str = "cls"  # cls | mean (mean over patch tokens)
+    pool: str = key("cls", choices=("cls", "mean"))  # mean: over the patch tokens
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-6
@@ -58,60 +57,62 @@ class ModelConfig:
     # micro-batch holds at least vitgraph.parallel.setup.FUSED_NORM_MIN_TOKENS tokens: faster
     # for large micro-batches, slower for small ones). Never with train.precision=fp8, whose
     # TE norms write FP8 for the GEMM after them
-    fused_norm: str = "auto"
+    fused_norm: str = key("auto", choices=("auto", "always", "never"))
     # start from these weights (.safetensors, .pth, .bin; timm, Hugging Face or vitgraph names,
     # see vitgraph/convert). A head of another class count is re-initialised, position
     # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
     init_from: Optional[str] = None
-    init_format: str = "auto"  # auto | timm | hf | open_clip | vitgraph
+    init_format: str = key("auto", choices=("auto", "timm", "hf", "open_clip", "vitgraph"))
 
 
 @dataclass
 class DataConfig:
-    kind: str = "shapes"  # shapes (embedded, procedural) | imagefolder | webdataset
+    # shapes (embedded, procedural) | imagefolder | webdataset
+    kind: str = key("shapes", choices=("shapes", "imagefolder", "webdataset"))
     # imagefolder: root holding train/ and val/; webdataset: folder of train-*.tar, val-*.tar
     path: Optional[str] = None
-    num_train: int = 50000  # shapes only
-    num_val: int = 2000  # shapes only
-    render_size: int = 32  # size images are drawn / decoded at; resized to model.image_size
+    num_train: int = key(50000, above=0)  # shapes only
+    num_val: int = key(2000, above=0)  # shapes only
+    # size images are drawn / decoded at; resized to model.image_size
+    render_size: int = key(32, above=0)
     num_classes: int = 10  # shapes only
     # shapes: the caption of each image. full: size, colours, shape, background, place and
     # rotation ("a large white star on a dark blue background, in the top left, rotated 30
     # degrees"); short: size, colour and shape ("a large white star")
-    captions: str = "full"
+    captions: str = key("full", choices=("full", "short"))
     # shapes, training split only: each of a caption's size word and its shape's colour is left
     # out with this probability, drawn anew for every pair at every step (seeded by train.seed;
     # held-out captions stay whole): "a large white star" is also seen as "a white star",
     # "a large star" and "a star", so the text tower learns partial and shape-only captions
-    caption_dropout: float = 0.0
+    caption_dropout: float = key(0.0, min=0, max=1)
     # the fraction of the run's steps after which caption dropout begins. From the first step
     # (0) the pair learned next to nothing on the shapes (10% zero-shot after 500 steps, loss
     # flat): the colour words are what it first aligns images and texts by
-    caption_dropout_start: float = 0.0
+    caption_dropout_start: float = key(0.0, min=0, below=1)
     # shapes: the dataset's own seed; runs with other train.seed values share its cache entry
     # (null: derive the data from train.seed)
     seed: Optional[int] = 0
     # generated datasets are cached here (`vitgraph cache` shows it, `vitgraph cache --clear`
     # empties it), least recently used first out beyond cache_max_mb
-    cache_dir: Optional[str] = "~/.cache/vitgraph"
+    cache_dir: Optional[str] = key("~/.cache/vitgraph", resume_ok=True)
     cache_max_mb: float = 1024.0
-    workers: int = 2
+    workers: int = key(2, min=1, resume_ok=True)
     # imagefolder: decode every image up front (fast steps, memory ~ N x size^2 x 3 bytes);
     # false decodes each batch on demand in `workers` threads (large folders, e.g. ImageNet)
-    preload: bool = True
+    preload: bool = key(True, resume_ok=True)
     # training-time augmentation, batched on the device (vitgraph/data/augment.py); off for
     # held-out data always
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
     # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
-    decode: str = "auto"
+    decode: str = key("auto", choices=("cpu", "cuda", "auto"), resume_ok=True)
     # decode=cuda: this share of each microbatch is decoded in the loader's threads instead
     # (simplejpeg or PIL, at full size), the rest by nvJPEG; the GPU resizes all of them. On
     # the H200 host neither share 0.6 nor 1.0 beat nvJPEG alone (benchmarks/BENCHMARKS.md,
     # eighth session): 0 by default
-    cpu_decode_share: float = 0.0
+    cpu_decode_share: float = key(0.0, min=0, max=1)
     # webdataset: shards are shuffled, and samples within windows of this many shards
-    shuffle_shards: int = 4
+    shuffle_shards: int = key(4, min=1)
     # make the next step's microbatches while this one trains, in a thread: shard reads and
     # decoding, and on a GPU the copies to the device (pinned) and nvJPEG decode on a side
     # stream (vitgraph/data/prefetch.py). Changes no batch; off: made between steps
@@ -120,77 +121,87 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = key(1e-3, above=0)
     min_lr: float = 1e-5
     weight_decay: float = 0.05
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     clip_grad: float = 1.0  # 0 disables clipping
-    warmup_steps: Optional[int] = None  # None: warmup_fraction of the run
-    warmup_fraction: float = 0.05
+    warmup_steps: Optional[int] = key(None, min=0)  # None: warmup_fraction of the run
+    warmup_fraction: float = key(0.05, min=0, below=1)
 
 
 @dataclass
 class TrainConfig:
-    global_batch_size: int = 32
-    micro_batch_size: int = 32
+    global_batch_size: int = key(32, above=0)
+    # may change on resume: the same global batch in other microbatches trains the same
+    micro_batch_size: int = key(32, above=0, resume_ok=True)
     # the run's length: exactly one of steps / epochs
-    steps: Optional[int] = None
-    epochs: Optional[float] = None
+    steps: Optional[int] = key(None, above=0, resume_ok=True)
+    epochs: Optional[float] = key(None, above=0, resume_ok=True)
     label_smoothing: float = 0.0
     seed: int = 1234
     # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | fp8 (TE spec on a GPU: FP8 GEMMs inside
     # the encoder layers, bf16 elsewhere, fp32 master weights in the optimizer as for bf16)
-    precision: str = "auto"
+    precision: str = key("auto", choices=("auto", "bf16", "fp32", "fp8"))
     # TE scaling recipe for precision=fp8: current (per-tensor current scaling), delayed
     # (amax history), mxfp8 (Blackwell only: a config error on Hopper)
-    fp8_recipe: str = "current"
-    log_every: int = 50
-    eval_every: int = 500  # 0: only at the end
-    eval_batch_size: int = 256
-    progress: bool = True  # progress bar on rank 0
-    tensorboard: bool = True
-    peak_flops: float = 790e12  # bf16 dense matmul rate (measured on the H200) for MFU
+    fp8_recipe: str = key("current", choices=("current", "delayed", "mxfp8"))
+    log_every: int = key(50, above=0, resume_ok=True)
+    eval_every: int = key(500, min=0, resume_ok=True)  # 0: only at the end
+    eval_batch_size: int = key(256, above=0, resume_ok=True)
+    progress: bool = key(True, resume_ok=True)  # progress bar on rank 0
+    tensorboard: bool = key(True, resume_ok=True)
+    # bf16 dense matmul rate (measured on the H200) for MFU
+    peak_flops: float = key(790e12, resume_ok=True)
     # a step with a non-finite loss or gradient norm is skipped (weights and optimizer state
     # untouched); this many in a row stop the run with an error
-    max_bad_steps: int = 10
+    max_bad_steps: int = key(10, min=1, resume_ok=True)
     # test-only fault injection: steps (1-based) whose loss is multiplied by NaN, e.g. "5" or
     # "5-7,9". Leave empty
-    inject_nan_steps: str = ""
+    inject_nan_steps: str = key("", check=lambda v, _: _is_step_list(v),
+                                why="expected steps such as '5' or '5-7,9'", resume_ok=True)
 
 
 @dataclass
 class ParallelConfig:
-    """Layout: world = dp x tp x pp; data parallel is what is left of the world size."""
-    tp: int = 1  # tensor parallel
-    pp: int = 1  # pipeline stages
+    """Layout: world = dp x tp x pp; data parallel is what is left of the world size.
+
+    Every key but distributed_optimizer may change when a run resumes: checkpoints hold
+    sharded tensors under global names, which load at any layout."""
+    tp: int = key(1, min=1, resume_ok=True)  # tensor parallel
+    pp: int = key(1, min=1, resume_ok=True)  # pipeline stages
     # virtual stages per pipeline rank (interleaved 1F1B); 1 = plain 1F1B. Needs pp > 1, layers
     # divisible by pp x vpp, and microbatches per step a multiple of pp
-    vpp: int = 1
+    vpp: int = key(1, min=1, resume_ok=True)
     # sequence parallel: norms, dropout and the residual stream split along the tokens across
     # the tp ranks (needs tp > 1); tokens are padded to a multiple of tp and masked
-    sequence_parallel: bool = False
+    sequence_parallel: bool = key(False, resume_ok=True)
     # GPU: shard the optimizer state (and fp32 master weights) over data-parallel ranks
     # (megatron's distributed optimizer). It also pads every parameter's gradient to a
     # 256-byte boundary, which TE's fused weight-gradient GEMMs need to run at full speed.
     # The CPU path (gloo, fp32 torch AdamW) has no distributed optimizer and ignores this.
+    # Fixed for a run: megatron names the fp32 master weights differently with and without it
+    # (param / fp32_param), so its checkpoints do not load across that switch (seen on the H200)
     distributed_optimizer: bool = True
-    overlap_grad_reduce: bool = True  # GPU: reduce gradient buckets during the backward pass
+    # GPU: reduce gradient buckets during the backward pass
+    overlap_grad_reduce: bool = key(True, resume_ok=True)
     # GPU: gradients kept, accumulated over microbatches and reduced across ranks in fp32
     # (megatron's accumulate_allreduce_grads_in_fp32). false: in bf16, as Megatron-LM's default
-    grad_reduce_in_fp32: bool = True
-    overlap_param_gather: bool = False  # GPU, distributed optimizer: gather params in forward
+    grad_reduce_in_fp32: bool = key(True, resume_ok=True)
+    # GPU, distributed optimizer: gather params in forward
+    overlap_param_gather: bool = key(False, resume_ok=True)
     # interleaved pipelining (vpp > 1): post stage-to-stage sends and receives one by one and
     # overlap them with compute (megatron's overlap_p2p_comm). Off: batched exchanges (two
     # stages: one at a time, vitgraph.parallel.setup.p2p_mode says why)
-    overlap_p2p_comm: bool = False
+    overlap_p2p_comm: bool = key(False, resume_ok=True)
     # a collective that has not finished after this long ends the run with an error naming
     # the rank and the operation (NCCL watchdog / gloo timeout)
-    timeout_minutes: float = 10.0
+    timeout_minutes: float = key(10.0, above=0, resume_ok=True)
     # NCCL user-buffer registration inside CUDA graphs (NCCL_GRAPH_REGISTER); off by default
     # because it has hung tensor-parallel runs with graphs (Megatron-Bridge reports)
-    nccl_graph_register: bool = False
+    nccl_graph_register: bool = key(False, resume_ok=True)
 
 
 @dataclass
@@ -198,20 +209,22 @@ class TaskConfig:
     # classification: a ViT with a class head on labelled images. contrastive: an image-text
     # pair (CLIP / SigLIP; model.name from the image-text registry, `vitgraph models`) on
     # captioned images, with zero-shot and retrieval eval. auto: contrastive for those names
-    kind: str = "auto"
+    kind: str = key("auto", choices=("auto", "classification", "contrastive"))
     # contrastive: clip (InfoNCE, learnable scale) | siglip (sigmoid, learnable scale and bias)
     # | auto (siglip when the model has a logit bias)
-    loss: str = "auto"
+    loss: str = key("auto", choices=("auto", "clip", "siglip"))
     # contrastive: text positions used (null: the tower's registered context length); longer
     # captions are cut, keeping the end of text
     context_length: Optional[int] = None
     # contrastive: byte (vitgraph's byte-level ids, any tower) | bpe (OpenAI CLIP's BPE from
     # open_clip's packaged vocabulary; towers with its 49,408 ids, as pretrained CLIP weights
     # need) | auto (bpe for such towers, else byte). Nothing is downloaded either way
-    tokenizer: str = "auto"
+    tokenizer: str = key("auto", choices=("auto", "byte", "bpe"))
     # contrastive: zero-shot prompts, "{}" the class name; each class's text embedding is the
     # mean over them (null: OpenAI CLIP's style, vitgraph.tasks.contrastive_metrics.TEMPLATES)
-    templates: Optional[list] = None
+    templates: Optional[list] = key(
+        None, check=lambda v, _: bool(v) and all(isinstance(x, str) and "{}" in x for x in v),
+        why='a non-empty list of prompts, each with "{}" for the class name')
 
 
 def task_kind(cfg: "Config") -> str:
@@ -224,15 +237,16 @@ def task_kind(cfg: "Config") -> str:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps between saves; 0: only at the end
-    keep: int = 2  # newest checkpoints kept
-    resume: bool = True  # resume from the run directory's latest checkpoint
+    every: int = key(0, min=0, resume_ok=True)  # steps between saves; 0: only at the end
+    keep: int = key(2, min=1, resume_ok=True)  # newest checkpoints kept
+    # resume from the run directory's latest checkpoint
+    resume: bool = key(True, resume_ok=True)
 
 
 @dataclass
 class RunConfig:
-    name: str = "vitgraph"
-    dir: Optional[str] = None  # default runs/<name>
+    name: str = key("vitgraph", resume_ok=True)
+    dir: Optional[str] = key(None, resume_ok=True)  # default runs/<name>
 
 
 @dataclass
@@ -255,60 +269,140 @@ class Config:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "model.spec": ("auto", "te", "torch"),
-    "model.pool": ("cls", "mean"),
-    "model.fused_norm": ("auto", "always", "never"),
-    "model.init_format": ("auto", "timm", "hf", "open_clip", "vitgraph"),
-    "data.kind": ("shapes", "imagefolder", "webdataset"),
-    "data.decode": ("cpu", "cuda", "auto"),
-    "train.precision": ("auto", "bf16", "fp32", "fp8"),
-    "train.fp8_recipe": ("current", "delayed", "mxfp8"),
-    "task.kind": ("auto", "classification", "contrastive"),
-    "task.loss": ("auto", "clip", "siglip"),
-    "task.tokenizer": ("auto", "byte", "bpe"),
-    "data.captions": ("full", "short"),
-}
+def may_change_on_resume(dotted: str) -> bool:
+    """Whether a resumed run may change the key ``dotted`` (declared with resume_ok=True)."""
+    return resume_ok(Config, dotted)
 
 
 # ---------------------------------------------------------------- loading and overrides
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """Read YAML, apply ``key.sub=value`` overrides, validate what needs no process group."""
+    """Read YAML (merged over its ``base:`` files), apply ``key.sub=value`` overrides,
+    validate what needs no process group.
+
+    A file may say ``base: other.yaml`` (a path relative to the file; the base may have a
+    base of its own): its sections are merged over the base's key by key, mappings merged,
+    other values (scalars, lists) replaced."""
     src = str(path) if path else "<defaults>"
     raw: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{src}: config file not found")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{src}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{src}: the top level must be a mapping, got {type(raw).__name__}")
+        raw, bases = _read(Path(path), [])
+        if bases:
+            src += f" (base {' -> '.join(bases)})"
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
+        dotted, sep, value = item.partition("=")
+        if not sep or not dotted:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
-        key = key.strip()
-        _set_dotted(raw, key, yaml.safe_load(value) if value != "" else None, "override")
+        dotted = dotted.strip()
+        value = yaml.safe_load(value) if value != "" else None
+        _check_override(item, dotted, value)
+        _set_dotted(raw, dotted, value, f"override {item!r}")
         # a duration given on the command line replaces the file's other duration
-        other = {"train.steps": "epochs", "train.epochs": "steps"}.get(key)
-        if other and isinstance(raw.get("train"), dict):
-            raw["train"].pop(other, None)
+        if dotted in ("train.steps", "train.epochs"):
+            _replace_duration(raw, {dotted.split(".")[1]})
     cfg = _build(Config, raw, src, prefix="")
     validate(cfg, src)
     return cfg
 
 
-def _set_dotted(raw: dict, key: str, value: Any, src: str) -> None:
+def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[dict, list[str]]:
+    """The mapping in ``path`` merged over its bases, and the bases' paths (nearest first).
+    ``chain``: the files whose bases led here; ``base``: how the last of them names it."""
+    name = str(path)
+    if not path.is_file():
+        if chain:
+            raise ConfigError(f"{chain[-1]}: base {base!r}: config file {name} not found")
+        raise ConfigError(f"{name}: config file not found")
+    if any(path.resolve() == c.resolve() for c in chain):
+        files = " -> ".join(str(c) for c in [*chain, path])
+        raise ConfigError(f"{chain[0]}: the base files make a cycle: {files}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: the top level must be a mapping, got {type(raw).__name__}")
+    parent = raw.pop("base", None)
+    unknown = _unknown_key(Config, raw)
+    if unknown:
+        raise ConfigError(f"{name}: {unknown}")
+    if parent is None:
+        return raw, []
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{name}: base={parent!r}: must be the path of another config file "
+                          "(relative to this one)")
+    # normpath: "configs/../x.yaml" named as "x.yaml" in messages
+    below_path = Path(os.path.normpath(path.parent / Path(parent).expanduser()))
+    below, bases = _read(below_path, [*chain, path], parent)
+    merged = _merge(below, raw)
+    if isinstance(raw.get("train"), dict):  # a duration here replaces the base's other one
+        _replace_duration(merged, set(raw["train"]) & {"steps", "epochs"})
+    return merged, [str(below_path), *bases]
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` over ``base``: mappings merged key by key (an empty section changes nothing),
+    other values replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(out.get(k), dict) and (isinstance(v, dict) or v is None):
+            out[k] = _merge(out[k], v or {})
+        else:
+            out[k] = v
+    return out
+
+
+def _replace_duration(raw: dict, given: set[str]) -> None:
+    """The run's length is one of train.steps / train.epochs: giving one drops the other."""
+    train = raw.get("train")
+    if isinstance(train, dict) and len(given) == 1:
+        train.pop({"steps": "epochs", "epochs": "steps"}[given.pop()], None)
+
+
+def _unknown_key(cls, tree: dict, prefix: str = "") -> Optional[str]:
+    """'unknown key ...' for the first key of ``tree`` that the dataclass ``cls`` lacks."""
+    hints = typing.get_type_hints(cls)
+    for k, v in tree.items():
+        if k not in hints:
+            return f"unknown key {prefix + str(k)!r}{_suggest(prefix, str(k), list(hints))}"
+        if dataclasses.is_dataclass(hints[k]) and isinstance(v, dict):
+            found = _unknown_key(hints[k], v, f"{prefix}{k}.")
+            if found:
+                return found
+    return None
+
+
+def _check_override(item: str, dotted: str, value: Any) -> None:
+    """An override naming no key, or giving a key a value of another type, is an error of the
+    override (not of the file)."""
+    tree = node = {}
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    unknown = _unknown_key(Config, tree)
+    if unknown:
+        raise ConfigError(f"override {item!r}: {unknown}")
+    cls = Config
+    for part in parts[:-1]:
+        cls = typing.get_type_hints(cls).get(part)
+        if not dataclasses.is_dataclass(cls):
+            return  # a key under a value: _set_dotted says so
+    hint = typing.get_type_hints(cls)[parts[-1]]
+    if not dataclasses.is_dataclass(hint):
+        f = next(f for f in dataclasses.fields(cls) if f.name == parts[-1])
+        coerce_field(f, hint, value, f"override {item!r}: {dotted}")
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any, src: str) -> None:
     node = raw
-    parts = key.split(".")
+    parts = dotted.split(".")
     for part in parts[:-1]:
         nxt = node.setdefault(part, {})
+        if nxt is None:  # an empty section in the file
+            nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"{src}: {key}: {part} is not a section")
+            raise ConfigError(f"{src}: {dotted}: {part} is not a section")
         node = nxt
     node[parts[-1]] = value
 
@@ -319,69 +413,29 @@ def _build(cls, raw: Any, src: str, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    for key, value in raw.items():
-        full = prefix + str(key)
-        if key not in fields:
-            raise ConfigError(f"{src}: unknown key {full!r}{_suggest(prefix, str(key), list(fields))}")
-        hint = hints[key]
+    for name, value in raw.items():
+        full = prefix + str(name)
+        if name not in fields:
+            raise ConfigError(f"{src}: unknown key {full!r}"
+                              f"{_suggest(prefix, str(name), list(fields))}")
+        hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value if value is not None else {}, src, full + ".")
+            kwargs[name] = _build(hint, value if value is not None else {}, src, full + ".")
         else:
-            kwargs[key] = _coerce(hint, value, src, full)
+            kwargs[name] = coerce_field(fields[name], hint, value, f"{src}: {full}")
     try:
         return cls(**kwargs)
-    except ValueError as e:  # sections that validate themselves (GraphsConfig)
+    except ConfigError as e:  # sections that check themselves when made (GraphsConfig)
         raise ConfigError(f"{src}: {e}") from None
 
 
-def _suggest(prefix: str, key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+def _suggest(prefix: str, name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
     if close:
         return f" (did you mean {prefix + close[0]!r}?)"
     return f" (valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(valid)})"
 
 
-def _coerce(hint, value, src: str, key: str):
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(hint))
-        if len(args) > 1:  # e.g. bool | str (graphs.enabled: true | false | auto)
-            if value is None and optional:
-                return None
-            for a in args:
-                try:
-                    return _coerce(a, value, src, key)
-                except ConfigError:
-                    pass
-            names = " or ".join(a.__name__ for a in args)
-            raise ConfigError(f"{src}: {key} must be a {names}, got {value!r}")
-        hint = args[0]
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{src}: {key} must be a {hint.__name__}, got null")
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif hint is str:
-        ok = isinstance(value, str)
-    elif hint is list:
-        ok = isinstance(value, list)
-    else:  # pragma: no cover - only the types above are used
-        ok = True
-    if not ok:
-        raise ConfigError(f"{src}: {key} must be a {hint.__name__}, got {value!r} ({type(value).__name__})")
-    return value
 
 
 # ---------------------------------------------------------------- validation
@@ -421,43 +475,26 @@ def _validate_contrastive(cfg: Config, err) -> None:
             "image-text pair has none to mix: set data.augment.mixup_alpha=0 cutmix_alpha=0")
     if cfg.train.label_smoothing:
         err("train.label_smoothing", cfg.train.label_smoothing, "classification only")
-    tpl = cfg.task.templates
-    if tpl is not None and (not tpl or not all(isinstance(x, str) and "{}" in x for x in tpl)):
-        err("task.templates", tpl, 'a non-empty list of prompts, each with "{}" for the class name')
-    for key in ("num_heads", "ffn_hidden_size"):
-        if getattr(arch.text, key) % p.tp:
-            err("parallel.tp", p.tp, f"the text tower's {key}={getattr(arch.text, key)} is not "
+    for dim in ("num_heads", "ffn_hidden_size"):
+        if getattr(arch.text, dim) % p.tp:
+            err("parallel.tp", p.tp, f"the text tower's {dim}={getattr(arch.text, dim)} is not "
                                      "divisible by it")
 
 
 def validate(cfg: Config, src: str = "<config>") -> None:
-    """Checks that need nothing but the config (and the torchrun environment)."""
+    """Every key against its declaration (vitgraph.config_keys), then the rules between keys;
+    nothing here depends on the machine or the launch (``check_layout`` takes the world size)."""
     from vitgraph.models.registry import CLIP_MODELS, resolve_arch
 
-    def err(key, value, why):
-        raise ConfigError(f"{src}: {key}={value!r}: {why}")
+    def err(name, value, why):
+        raise ConfigError(f"{src}: {name}={value!r}: {why}")
 
-    for key, choices in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in choices:
-            err(key, value, f"must be one of {', '.join(choices)}")
-    try:
-        cfg.graphs.validate()
-        cfg.data.augment.validate()
-    except ValueError as e:
-        raise ConfigError(f"{src}: {e}") from None
+    check_section(cfg, "", src)
 
-    if not 0.0 <= cfg.data.cpu_decode_share <= 1.0:
-        err("data.cpu_decode_share", cfg.data.cpu_decode_share, "must be in [0, 1]")
     if cfg.data.cpu_decode_share and (cfg.data.kind != "webdataset" or cfg.data.decode == "cpu"):
         err("data.cpu_decode_share", cfg.data.cpu_decode_share,
             f"splits the decoding of data.decode=cuda shards (data.kind={cfg.data.kind}, "
             f"data.decode={cfg.data.decode})")
-    if not 0.0 <= cfg.data.caption_dropout <= 1.0:
-        err("data.caption_dropout", cfg.data.caption_dropout, "must be in [0, 1]")
-    if not 0.0 <= cfg.data.caption_dropout_start < 1.0:
-        err("data.caption_dropout_start", cfg.data.caption_dropout_start, "must be in [0, 1)")
     if cfg.data.caption_dropout and cfg.data.kind != "shapes":
         err("data.caption_dropout", cfg.data.caption_dropout,
             f"only the shapes data has size and colour words to drop (data.kind={cfg.data.kind})")
@@ -476,38 +513,13 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("model.init_from", cfg.model.init_from, "no such file")
 
     t = cfg.train
-    for key in ("global_batch_size", "micro_batch_size", "eval_batch_size", "log_every"):
-        if getattr(t, key) <= 0:
-            err(f"train.{key}", getattr(t, key), "must be positive")
     if (t.steps is None) == (t.epochs is None):
         err("train.steps", t.steps, f"give exactly one of train.steps and train.epochs (epochs={t.epochs})")
-    if t.steps is not None and t.steps <= 0:
-        err("train.steps", t.steps, "must be positive")
-    if t.epochs is not None and t.epochs <= 0:
-        err("train.epochs", t.epochs, "must be positive")
-    if t.eval_every < 0:
-        err("train.eval_every", t.eval_every, "must be >= 0")
-    if t.max_bad_steps < 1:
-        err("train.max_bad_steps", t.max_bad_steps, "must be >= 1")
-    try:
-        parse_steps(t.inject_nan_steps)
-    except ValueError:
-        err("train.inject_nan_steps", t.inject_nan_steps, "expected steps such as '5' or '5-7,9'")
+    if t.global_batch_size % t.micro_batch_size:
+        err("train.global_batch_size", t.global_batch_size,
+            f"not divisible by train.micro_batch_size={t.micro_batch_size}")
 
     p = cfg.parallel
-    for key in ("tp", "pp", "vpp"):
-        if getattr(p, key) < 1:
-            err(f"parallel.{key}", getattr(p, key), "must be >= 1")
-    if p.timeout_minutes <= 0:
-        err("parallel.timeout_minutes", p.timeout_minutes, "must be positive")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (p.tp * p.pp):
-        raise ConfigError(f"{src}: parallel.tp x parallel.pp = {p.tp} x {p.pp}: world size {world} "
-                          f"(WORLD_SIZE) is not divisible by it")
-    dp = world // (p.tp * p.pp)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        err("train.global_batch_size", t.global_batch_size,
-            f"not divisible by micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
     if arch.num_heads % p.tp:
         err("parallel.tp", p.tp, f"model.num_heads={arch.num_heads} is not divisible by it")
     if arch.ffn_hidden_size % p.tp:
@@ -517,11 +529,6 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     if arch.num_layers % (p.pp * p.vpp):
         err("parallel.pp", p.pp, f"model.num_layers={arch.num_layers} is not divisible by "
                                  f"parallel.pp x parallel.vpp = {p.pp} x {p.vpp}")
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.vpp > 1 and microbatches % p.pp:
-        err("train.global_batch_size", t.global_batch_size,
-            f"interleaved pipelining (parallel.vpp={p.vpp}) needs the microbatches per step "
-            f"({microbatches} = global / (micro x dp)) to be a multiple of parallel.pp={p.pp}")
     if task_kind(cfg) == "contrastive":
         _validate_contrastive(cfg, err)
     elif cfg.model.name in CLIP_MODELS:
@@ -530,7 +537,9 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     if p.overlap_p2p_comm and p.vpp == 1:
         err("parallel.overlap_p2p_comm", True, "megatron overlaps p2p only in the interleaved "
                                               "schedule: needs parallel.vpp > 1")
-    if cfg.graphs.enabled is True and cfg.graphs.scope == "step" and t.precision == "fp8" \
+    # graphs.enabled=auto picks a path these rules allow: they bind an explicit true
+    graphs = cfg.graphs.enabled is True
+    if graphs and cfg.graphs.scope == "step" and t.precision == "fp8" \
             and t.fp8_recipe != "current":
         # current scaling computes each scale from its tensor, on the device, inside the step;
         # delayed scaling keeps an amax history that TE updates from the host between steps
@@ -544,18 +553,10 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":
         err("train.precision", "fp8", "FP8 needs Transformer Engine layers (model.spec=te or auto on a GPU)")
-    if t.precision == "fp8" and cfg.graphs.enabled is True and cfg.graphs.impl != "te" \
+    if t.precision == "fp8" and graphs and cfg.graphs.impl != "te" \
             and cfg.graphs.scope == "layer":
         err("graphs.impl", cfg.graphs.impl, "train.precision=fp8 with graphs needs graphs.impl=te "
                                              "(TE owns the FP8 scaling state around each replay)")
-
-    o = cfg.optim
-    if o.lr <= 0:
-        err("optim.lr", o.lr, "must be positive")
-    if not 0 <= o.warmup_fraction < 1:
-        err("optim.warmup_fraction", o.warmup_fraction, "must be in [0, 1)")
-    if o.warmup_steps is not None and o.warmup_steps < 0:
-        err("optim.warmup_steps", o.warmup_steps, "must be >= 0")
 
     d = cfg.data
     if d.kind == "imagefolder":
@@ -571,16 +572,26 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         if not d.path or not Path(d.path).expanduser().is_dir():
             err("data.path", d.path, "data.kind=webdataset needs data.path (a folder of "
                 "train-*.tar and val-*.tar shards)")
-        if d.shuffle_shards < 1:
-            err("data.shuffle_shards", d.shuffle_shards, "must be >= 1")
-    elif d.num_train <= 0 or d.num_val <= 0:
-        err("data.num_train", d.num_train, "data.num_train and data.num_val must be positive")
-    if d.render_size <= 0:
-        err("data.render_size", d.render_size, "must be positive")
-    if d.workers < 1:
-        err("data.workers", d.workers, "must be >= 1")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
-        err("checkpoint.keep", cfg.checkpoint.keep, "checkpoint.every >= 0 and checkpoint.keep >= 1")
+
+
+def check_layout(cfg: Config, world_size: int, src: str = "<config>") -> None:
+    """The rules that need the world size (world = dp x tp x pp): checked by the CLI before
+    launching and by ``init_distributed`` before any process group is made."""
+    p, t = cfg.parallel, cfg.train
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(f"{src}: parallel.tp x parallel.pp = {p.tp} x {p.pp}: world size "
+                          f"{world_size} (WORLD_SIZE) is not divisible by it")
+    dp = world_size // (p.tp * p.pp)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"{src}: train.global_batch_size={t.global_batch_size}: not divisible "
+                          f"by train.micro_batch_size x data-parallel size = "
+                          f"{t.micro_batch_size} x {dp} (world size {world_size})")
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vpp > 1 and microbatches % p.pp:
+        raise ConfigError(
+            f"{src}: train.global_batch_size={t.global_batch_size}: interleaved pipelining "
+            f"(parallel.vpp={p.vpp}) needs the microbatches per step ({microbatches} = global / "
+            f"(micro x dp {dp})) to be a multiple of parallel.pp={p.pp}")
 
 
 def validate_machine(cfg: Config, src: str = "<config>") -> None:
@@ -593,6 +604,14 @@ def validate_machine(cfg: Config, src: str = "<config>") -> None:
         if not (torch.cuda.is_available() and te_available()):
             raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
                               f"(pip install -e .[te]); use model.spec=torch or auto without them")
+
+
+def _is_step_list(text: str) -> bool:
+    try:
+        parse_steps(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_steps(text: str) -> set[int]:

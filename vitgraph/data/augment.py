@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitgraph.config_keys import check_section, key
 from vitgraph.data.loader import MEAN, STD, to_device_uint8
 
 GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
@@ -46,41 +47,31 @@ class AugmentConfig:
     the two per batch), random erasing 0.25; label smoothing stays ``train.label_smoothing``.
     """
     enabled: bool = False
-    crop_scale_min: float = 0.08  # RandomResizedCrop: area fraction of the image
-    crop_scale_max: float = 1.0
-    crop_ratio_min: float = 0.75  # aspect ratio w/h
-    crop_ratio_max: float = 1.3333333
-    flip: float = 0.5  # probability of a horizontal flip
-    auto: str = "randaugment"  # randaugment | trivialaugment | none
-    num_ops: int = 2  # RandAugment: ops per image (TrivialAugment: always 1)
-    magnitude: float = 9.0  # RandAugment magnitude, 0..10 (TrivialAugment: uniform 0..10)
-    magnitude_std: float = 0.5
-    op_prob: float = 0.5  # RandAugment: each chosen op is applied with this probability
-    mixup_alpha: float = 0.8  # 0 disables mixup
-    cutmix_alpha: float = 1.0  # 0 disables cutmix
-    mix_prob: float = 1.0  # probability that a batch is mixed at all
-    switch_prob: float = 0.5  # with both on: probability of cutmix rather than mixup
-    erase_prob: float = 0.25  # random erasing, per image
+    # RandomResizedCrop: area fraction of the image
+    crop_scale_min: float = key(0.08, above=0, max=1)
+    crop_scale_max: float = key(1.0, above=0, max=1, check=lambda v, a: v >= a.crop_scale_min,
+                                why="must be >= data.augment.crop_scale_min")
+    crop_ratio_min: float = key(0.75, above=0)  # aspect ratio w/h
+    crop_ratio_max: float = key(1.3333333, above=0, check=lambda v, a: v >= a.crop_ratio_min,
+                                why="must be >= data.augment.crop_ratio_min")
+    flip: float = key(0.5, min=0, max=1)  # probability of a horizontal flip
+    auto: str = key("randaugment", choices=("randaugment", "trivialaugment", "none"))
+    num_ops: int = key(2, min=0)  # RandAugment: ops per image (TrivialAugment: always 1)
+    # RandAugment magnitude (TrivialAugment: uniform 0..10)
+    magnitude: float = key(9.0, min=0, max=10)
+    magnitude_std: float = key(0.5, min=0)
+    # RandAugment: each chosen op is applied with this probability
+    op_prob: float = key(0.5, min=0, max=1)
+    mixup_alpha: float = key(0.8, min=0)  # 0 disables mixup
+    cutmix_alpha: float = key(1.0, min=0)  # 0 disables cutmix
+    mix_prob: float = key(1.0, min=0, max=1)  # probability that a batch is mixed at all
+    # with both on: probability of cutmix rather than mixup
+    switch_prob: float = key(0.5, min=0, max=1)
+    erase_prob: float = key(0.25, min=0, max=1)  # random erasing, per image
 
     def validate(self) -> None:
-        if self.auto not in ("randaugment", "trivialaugment", "none"):
-            raise ValueError(f"data.augment.auto={self.auto!r}: must be randaugment, "
-                             "trivialaugment or none")
-        if not 0 < self.crop_scale_min <= self.crop_scale_max <= 1:
-            raise ValueError("data.augment.crop_scale_min/max: need 0 < min <= max <= 1, got "
-                             f"{self.crop_scale_min}, {self.crop_scale_max}")
-        if not 0 < self.crop_ratio_min <= self.crop_ratio_max:
-            raise ValueError("data.augment.crop_ratio_min/max: need 0 < min <= max")
-        for k in ("flip", "op_prob", "mix_prob", "switch_prob", "erase_prob"):
-            if not 0 <= getattr(self, k) <= 1:
-                raise ValueError(f"data.augment.{k}={getattr(self, k)}: must be in [0, 1]")
-        for k in ("mixup_alpha", "cutmix_alpha", "magnitude_std"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"data.augment.{k}={getattr(self, k)}: must be >= 0")
-        if not 0 <= self.magnitude <= 10:
-            raise ValueError(f"data.augment.magnitude={self.magnitude}: must be in [0, 10]")
-        if self.num_ops < 0:
-            raise ValueError(f"data.augment.num_ops={self.num_ops}: must be >= 0")
+        """ConfigError (a ValueError) naming the first key whose value is not allowed."""
+        check_section(self, "data.augment.")
 
     @property
     def mixes(self) -> bool:

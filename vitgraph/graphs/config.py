@@ -25,45 +25,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
-IMPLS = ("local", "te")
-SCOPES = ("layer", "step")
-ON_NEW_SHAPE = ("capture", "eager")
-POOLS = ("auto", "shared", "slot")
+from vitgraph.config_keys import ConfigError, check_section, key
 
 
+# every graphs key may change when a run resumes: graphs change how a step runs, not what it
+# computes
 @dataclass
 class GraphsConfig:
-    enabled: bool | str = "auto"  # true | false | auto (resolved at start-up: auto.py)
-    impl: str = "local"
-    scope: str = "layer"
-    warmup_steps: int = 3
-    on_new_shape: str = "capture"
-    max_slots: int = 8
-    capture_warmup_iters: int = 2
-    pool: str = "auto"
+    enabled: Union[bool, str] = key("auto", choices=(True, False, "auto"), resume_ok=True)  # resolved: auto.py
+    impl: str = key("local", choices=("local", "te"), resume_ok=True)
+    scope: str = key("layer", choices=("layer", "step"), resume_ok=True)
+    warmup_steps: int = key(3, min=0, resume_ok=True)
+    on_new_shape: str = key("capture", choices=("capture", "eager"), resume_ok=True)
+    max_slots: int = key(8, min=1, resume_ok=True)
+    capture_warmup_iters: int = key(2, min=0, resume_ok=True)
+    pool: str = key("auto", choices=("auto", "shared", "slot"), resume_ok=True)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> "GraphsConfig":
-        def bad(key: str, value: object, why: str) -> ValueError:
-            return ValueError(f"graphs.{key}={value!r}: {why}")
-
-        if not isinstance(self.enabled, bool) and self.enabled != "auto":
-            raise bad("enabled", self.enabled, "must be true, false or auto")
-        if self.impl not in IMPLS:
-            raise bad("impl", self.impl, f"must be one of {', '.join(IMPLS)}")
-        if self.scope not in SCOPES:
-            raise bad("scope", self.scope, f"must be one of {', '.join(SCOPES)}")
-        if self.on_new_shape not in ON_NEW_SHAPE:
-            raise bad("on_new_shape", self.on_new_shape, f"must be one of {', '.join(ON_NEW_SHAPE)}")
-        if self.pool not in POOLS:
-            raise bad("pool", self.pool, f"must be one of {', '.join(POOLS)}")
-        for key, lo in (("warmup_steps", 0), ("max_slots", 1), ("capture_warmup_iters", 0)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise bad(key, value, f"must be an integer >= {lo}")
+        """ConfigError (a ValueError) naming the first key whose value is not allowed."""
+        check_section(self, "graphs.")
         return self
 
     @classmethod
@@ -72,5 +57,5 @@ class GraphsConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"graphs.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"graphs.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
         return cls(**d)

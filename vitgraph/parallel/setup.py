@@ -27,7 +27,7 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from vitgraph.config import Config, ConfigError
+from vitgraph.config import Config, ConfigError, check_layout
 from vitgraph.models.init import init_weights
 from vitgraph.models.registry import resolve_arch
 from vitgraph.models.specs import get_layer_spec, resolve_spec
@@ -82,6 +82,7 @@ def init_distributed(cfg: Config) -> Dist:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_layout(cfg, world)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     p = cfg.parallel
     path = choose_graphs(cfg.graphs, cuda, cfg.train.precision, cfg.train.fp8_recipe, p.tp)

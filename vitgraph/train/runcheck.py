@@ -3,7 +3,8 @@
 A run folder keeps the resolved ``config.yaml`` of the run. Resuming with another model, data
 or batch layout would load weights into the wrong network or continue the wrong data order,
 so it stops here with the differing keys named. Settings that do not change what is trained
-(duration, intervals, logging, the parallel layout, graphs) may change and are logged.
+(duration, intervals, logging, the parallel layout, graphs) may change and are logged: each
+such key says so on its field (``key(..., resume_ok=True)``, vitgraph.config).
 """
 from __future__ import annotations
 
@@ -14,14 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from vitgraph.config import Config, ConfigError
-
-# keys (or sections, ending in ".") that may differ between the run folder and the command
-SAFE = ("train.steps", "train.epochs", "train.log_every", "train.eval_every",
-        "train.eval_batch_size", "train.progress", "train.tensorboard", "train.peak_flops",
-        "train.micro_batch_size", "train.max_bad_steps", "train.inject_nan_steps",
-        "data.workers", "data.preload", "data.cache_dir",
-        "parallel.", "checkpoint.", "graphs.", "run.")
+from vitgraph.config import Config, ConfigError, may_change_on_resume
 
 
 class FinishedRun(Exception):
@@ -30,18 +24,6 @@ class FinishedRun(Exception):
     def __init__(self, message: str, metrics: dict):
         super().__init__(message)
         self.metrics = metrics
-
-
-# exceptions inside the safe sections: megatron names the fp32 master weights differently with
-# and without the distributed optimizer (param / fp32_param), so its checkpoints do not load
-# across that switch (seen on the H200)
-UNSAFE = ("parallel.distributed_optimizer",)
-
-
-def is_safe(key: str) -> bool:
-    if key in UNSAFE:
-        return False
-    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -82,7 +64,7 @@ def check_run_dir(cfg: Config) -> list[tuple[str, object, object]]:
         raise ConfigError(f"{stored}: not valid YAML ({e}); move the run folder away or pass "
                           f"checkpoint.resume=false") from None
     changes = config_changes(old, cfg.to_dict())
-    unsafe = [c for c in changes if not is_safe(c[0])]
+    unsafe = [c for c in changes if not may_change_on_resume(c[0])]
     if unsafe:
         lines = "\n".join(f"  {k}: {o!r} (run) -> {n!r} (now)" for k, o, n in unsafe)
         raise ConfigError(
