@@ -234,7 +234,7 @@ class AttentionPool(torch.nn.Module):
 
 def vit_flops_per_image(a: ViTArch, num_prefix: int, num_classes: int,
                         image_size: int | None = None) -> float:
-    """Training FLOPs per image, T * (6N + 12 L d T) (DESIGN.md), for the whole model."""
+    """Training FLOPs per image, T * (6N + 12 L d T) (docs/design.md), for the whole model."""
     t = num_prefix + a.num_patches(image_size)
     n = vit_param_count(a, num_prefix, num_classes)
     return t * (6 * n + 12 * a.num_layers * a.hidden_size * t)
