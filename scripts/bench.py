@@ -34,7 +34,7 @@ Inputs: the peers and, by default, vitgraph train on random images already on th
 with the training loop's own input pipeline: shards read and decoded by nvJPEG
 (``data.decode=cuda``, plus any --override such as data.cpu_decode_share), prefetched as
 `vitgraph train` does. Those rows say ``"input": "shards"`` and the ratio to the synthetic row
-is printed (issue 10: within 5%).
+is printed (the target: within 5%).
 
 The process runs with the hardware queues `vitgraph train` sets (CUDA_DEVICE_MAX_CONNECTIONS,
 32 unless set: vitgraph.set_hardware_queues), peers included; the provenance records the value.
