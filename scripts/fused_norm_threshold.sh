@@ -8,6 +8,7 @@
 #          (default: vit_l16_224 32 64 128; JSON and logs go to $OUT, or ./norm-threshold)
 # Needs a CUDA GPU with TE (on the H200 device host: `source .te/te-install` first).
 set -uo pipefail
+case ${1:-} in -h|--help) sed -n 2,9p "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 model=${1:-vit_l16_224}; shift || true
 mbs=("$@"); [ ${#mbs[@]} -eq 0 ] && mbs=(32 64 128)
