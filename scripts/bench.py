@@ -2,11 +2,11 @@
 
 Every system runs the same full training step (forward, backward, AdamW step) on the same
 shapes: a ViT at 224 with random bf16 inputs and labels. Prints a table with the ratios and
-writes ``{"provenance": ..., "rows": [...]}`` JSON (DESIGN.md, "Tests and numbers").
+writes ``{"provenance": ..., "rows": [...]}`` JSON (docs/design.md, "Tests and numbers").
 
     python scripts/bench.py --model vit_l16_224 --micro-batches 8 256 \
         --systems vitgraph vitgraph+graphs timm timm+compile-reduce-overhead \
-        --precisions bf16 fp8-current --out benchmarks/h200-vit_l16_224.json
+        --precisions bf16 fp8-current --out benchmarks/h200/NAME.json
     # several GPUs: the vitgraph systems only, one process per GPU, rank 0 writes the JSON
     torchrun --nproc-per-node 2 scripts/bench.py --model vit_l16_224 --micro-batches 8 \
         --microbatches 8 --systems vitgraph vitgraph+graphs --override parallel.pp=2 --out ...

@@ -140,7 +140,7 @@ for s in "${steps[@]}"; do
           data.cpu_decode_share=$share run.dir=/tmp/b16_shards_$share > "$out/train_b16_shards_$share.log" 2>&1
       done
       # vitgraph sets 32 hardware queues; with CUDA's 8, nvJPEG's 14 streams ran mostly after
-      # the step graph (0.86-0.90x against 0.95-0.96x, 2026-12-01)
+      # the step graph (0.86-0.90x the synthetic rate against 0.95-0.96x; benchmarks/BENCHMARKS.md)
       CUDA_DEVICE_MAX_CONNECTIONS=8 timeout 120 python -m vitgraph train "${w[@]}" data.kind=webdataset \
         data.path=$sh data.decode=cuda run.dir=/tmp/b16_shards_q8 > "$out/train_b16_shards_q8.log" 2>&1
       grep -H "img/s" "$out"/train_b16_*.log | sed 's/| TFLOP.*//'
@@ -155,7 +155,7 @@ for s in "${steps[@]}"; do
       c=(configs/clip-b16.yaml data.kind=shapes data.render_size=32 data.num_train=20000
          data.num_val=1000 data.workers=8 train.steps=100 train.global_batch_size=128
          train.micro_batch_size=128 train.log_every=10 train.eval_every=0 checkpoint.every=0
-         optim.lr=1e-4 optim.warmup_steps=30 train.progress=false)  # 5e-4 after 10 warm-up steps collapsed (2026-11-30)
+         optim.lr=1e-4 optim.warmup_steps=30 train.progress=false)  # 5e-4 after 10 warm-up steps collapses (loss ln 128 by step 20)
       timeout 150 python -m vitgraph train "${c[@]}" graphs.enabled=false run.dir=/tmp/clip_eager > "$out/clip_eager.log" 2>&1
       timeout 150 python -m vitgraph train "${c[@]}" run.dir=/tmp/clip_graphs > "$out/clip_graphs.log" 2>&1
       cp /tmp/clip_eager/log.jsonl "$out/clip_eager.jsonl"; cp /tmp/clip_graphs/log.jsonl "$out/clip_graphs.jsonl"
@@ -164,7 +164,7 @@ for s in "${steps[@]}"; do
         ${CLIP_SYSTEMS:-vitgraph vitgraph+graphs vitgraph+step-graphs open_clip open_clip+compile} --warmup 5 --iters 6 \
         --out "$out/bench_clip.json" 2>&1 | tee "$out/bench_clip.log" | tail -8 ;;
     profile)
-      # GPU time by kernel of the step-graph step at micro-batch 8 and 256 (ViT-L/16): issue 6
+      # GPU time by kernel of the step-graph step at micro-batch 8 and 256 (ViT-L/16)
       for mb in 8 256; do
         timeout 150 python scripts/bench.py --model vit_l16_224 --micro-batches $mb \
           --systems vitgraph+step-graphs --warmup 6 --iters 3 --kernels 5 \

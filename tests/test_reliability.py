@@ -298,7 +298,7 @@ def test_sigterm_saves_exits_75_and_the_resumed_run_continues_the_curve(tmp_path
 def test_sigterm_to_the_process_group_still_saves(tmp_path, env):
     """`timeout`, a terminal and SLURM signal a job's whole process group. megatron's
     checkpoint writer keeps a helper process (a multiprocessing manager, started by the first
-    save) whose death made the preemption save fail with EOFError (H200, 2026-12-01)."""
+    save) whose death made the preemption save fail with EOFError (on an H200 run)."""
     run_dir = tmp_path / "run"
     over = {"train.log_every": 1, "checkpoint.every": 3}  # the helper exists before the signal
     cmd = vitgraph_cmd("train", DEFAULT, *tiny_overrides(run_dir, 40, **over))

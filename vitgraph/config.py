@@ -108,8 +108,8 @@ class DataConfig:
     decode: str = key("auto", choices=("cpu", "cuda", "auto"), resume_ok=True)
     # decode=cuda: this share of each microbatch is decoded in the loader's threads instead
     # (simplejpeg or PIL, at full size), the rest by nvJPEG; the GPU resizes all of them. On
-    # the H200 host neither share 0.6 nor 1.0 beat nvJPEG alone (benchmarks/BENCHMARKS.md,
-    # eighth session): 0 by default
+    # the H200 host neither share 0.6 nor 1.0 beat nvJPEG alone (0.84x and 0.76x of in-memory
+    # training; benchmarks/BENCHMARKS.md): 0 by default
     cpu_decode_share: float = key(0.0, min=0, max=1)
     # webdataset: shards are shuffled, and samples within windows of this many shards
     shuffle_shards: int = key(4, min=1)

@@ -52,7 +52,7 @@ def test_te_and_torch_specs_agree(dist1):
 
 
 def test_te_layers_copy_no_qkv_gradient_and_add_no_bias_outside_a_gemm(dist1):
-    """The TE spec's kernels (issue 6's profile): attention's backward hands dq, dk, dv to the
+    """The TE spec's kernels (as a step profile shows them): attention's backward hands dq, dk, dv to the
     fused QKV GEMM as one packed gradient (no concatenation), and the projection and MLP
     biases are added by their GEMMs (no broadcast add over the activations per layer)."""
     from torch.profiler import ProfilerActivity, profile

@@ -59,7 +59,7 @@ def _turbo_decode(data: bytes, size: int) -> np.ndarray | None:
     while decoding into the array. PIL holds it while making an array of a decoded image, so
     the loader's threads barely scale: on the H200 host, 500x375 photos at full size, PIL gave
     222 img/s on one thread and 948 on 16; simplejpeg 474 and 4,964
-    (benchmarks/h200-2026-12-01-s8/call2 and call5)."""
+    (benchmarks/BENCHMARKS.md, input pipeline)."""
     if simplejpeg is None or data[:2] != b"\xff\xd8":
         return None
     try:

@@ -9,12 +9,11 @@ from a side CUDA stream (pinned host-to-device copies; nvJPEG decode and the res
 them, so that this work runs beside the step's kernels rather than between steps. The CUDA
 calls are made by the training thread itself, never by the background one: Transformer
 Engine captures its graphs in CUDA's global capture mode, where an allocation by any other
-thread would break the capture. Without prefetching all of this sat between steps: ViT-B/16
-from JPEG shards trained at 0.55x its in-memory step rate on an H200
-(benchmarks/BENCHMARKS.md, fourth session); staged when a step was handed out, before its
-kernels were queued, still 0.66x (fifth session). Staging from the background thread
-instead (the nvJPEG calls there, behind a lock against graph captures) measured worse than
-staging from the training thread: 2,000-2,540 against 2,380-2,860 img/s (sixth session).
+thread would break the capture. Why there and then (ViT-B/16 from JPEG shards, mb 256, an
+H200; benchmarks/BENCHMARKS.md): with all of this between steps training ran at 0.55x its
+in-memory step rate; staged when a step is handed out, before its kernels are queued, 0.66x;
+staged from the background thread (the nvJPEG calls there, behind a lock against graph
+captures), 2,000-2,540 img/s against 2,380-2,860 from the training thread.
 
 Order and content are the loader's alone (it is deterministic), so prefetching changes no
 batch. The checkpointed position is the one after the last step handed out, not the one the

@@ -103,9 +103,10 @@ if triton is not None:
 
 
 # tile sizes (rows per block, warps; backward: programs per SM), fixed: see the docstring.
-# From a sweep on an H200 at ViT-L and ViT-B widths, 50,432 rows (benchmarks/
-# h200-2026-12-01-s10/call3/norm_sweep.json): forward 100.6 / 76.6 us, backward 126.7 /
-# 110.2 us (4 passes over the tensor: 3.3-4.1 TB/s), against 103 / 151 us for the first tiles.
+# From a sweep on an H200 at ViT-L and ViT-B widths, 50,432 rows (scripts/norm_sweep.py;
+# benchmarks/h200/fused_norm-kernels.json): forward 100.6 / 76.6 us, backward 126.7 / 110.2 us
+# (4 passes over the tensor: 3.3-4.1 TB/s), against 104 / 151 us at ViT-L with 4-row blocks
+# and 8 warps (backward: 4 programs per SM).
 # min_rows: rows per backward program at least, so that a small batch (ViT-L at mb 8: 1,576
 # rows) does not pay for a thousand partial-sum rows (no measurable change in that step)
 FORWARD = dict(BLOCK_M=2, num_warps=4)

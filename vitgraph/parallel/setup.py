@@ -208,7 +208,7 @@ def use_bf16(cfg: Config, d: Dist) -> bool:
 
 
 # model.fused_norm=auto: the fused residual add + LayerNorm from this many tokens in a training
-# micro-batch. ViT-L/16 step graphs on an H200 (benchmarks/h200-2026-12-01-s10): at mb 256
+# micro-batch. ViT-L/16 step graphs on an H200 (benchmarks/BENCHMARKS.md): at mb 256
 # (50,432 tokens) 1,276.8 img/s fused against 1,259.7; at mb 8 (1,576) 550.7 against 572.4
 # (the fused kernels' fixed costs: partial-sum reductions, small launches). A straight line
 # through the two puts the crossing near 11,000 tokens; nothing between them was measured.
@@ -325,7 +325,7 @@ def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
     """Parameters whose main_grad (megatron DDP's fp32 gradient view) does not start on an
     ``align``-byte boundary. TE accumulates weight gradients straight into main_grad, and
     cuBLAS drops to slow kernels for unaligned output (a 10-class head cost 2x in step time:
-    DESIGN.md). megatron pads every parameter's start only with the distributed optimizer."""
+    docs/design.md). megatron pads every parameter's start only with the distributed optimizer."""
     out = []
     for w in wrapped:
         for name, p in w.named_parameters():

@@ -35,7 +35,7 @@ from vitgraph.text import make_tokenizer
 
 
 def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
-    """Training FLOPs of one sample through a tower, T * (6N + 12 L d T) (DESIGN.md)."""
+    """Training FLOPs of one sample through a tower, T * (6N + 12 L d T) (docs/design.md)."""
     return tokens * (6 * n_params + 12 * layers * width * tokens)
 
 

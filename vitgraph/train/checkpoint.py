@@ -111,7 +111,7 @@ def start_writer_helper(signals) -> None:
     megatron-core 0.16.1 collects its writers' results through a multiprocessing manager, a
     process spawned at the first save and kept. ``timeout``, a terminal and SLURM signal a
     job's whole process group: a stop signal killed that helper, so the preemption save that
-    signal asked for failed (EOFError or BrokenPipeError; an H200 run, 2026-12-01). An ignored
+    signal asked for failed (EOFError or BrokenPipeError, on an H200 run). An ignored
     signal stays ignored across the spawned process's exec; the handlers here are set after.
     So the helper cannot be stopped by those signals: it ends with this process (megatron's
     finalizer) or, when this process is killed outright (``kill -9``, the OOM killer), by the
