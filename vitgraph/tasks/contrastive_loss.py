@@ -113,9 +113,8 @@ def _sigmoid_block(image, text, logit_scale, logit_bias, positives_at: int | Non
     matching pairs in ``text`` (None: every pair is a negative)."""
     logits = logit_scale * image @ text.T + logit_bias
     signs = -torch.ones_like(logits)
-    if positives_at is not None:
-        rows = torch.arange(image.shape[0], device=image.device)
-        signs[rows, rows + positives_at] = 1.0
+    if positives_at is not None:  # a fill, not an indexed store of a host scalar: capturable
+        signs.diagonal(offset=positives_at).fill_(1.0)
     return -F.logsigmoid(signs * logits).sum()
 
 
