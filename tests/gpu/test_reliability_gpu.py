@@ -11,7 +11,7 @@ from conftest import ROOT, checkpoint_tensors, tiny_overrides, vitgraph_cmd
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("extra", [[], ["graphs.enabled=true", "graphs.warmup_steps=1"]],
+@pytest.mark.parametrize("extra", [["graphs.enabled=false"], ["graphs.enabled=true", "graphs.warmup_steps=1"]],
                          ids=["eager", "graphs"])
 def test_bf16_nan_steps_are_skipped_on_gpu(tmp_path, env, extra):
     run_dir = tmp_path / "run"
