@@ -85,7 +85,8 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
     from vitgraph.parallel.setup import build_model
     cfg = load_config(trained / "config.yaml")
     ours = build_model(cfg, dist1, 10)[0].eval()
-    load_into_model(ours, read_checkpoint_weights(trained)[0])
+    from vitgraph.train.checkpoint import checkpoint_dir
+    load_into_model(ours, read_checkpoint_weights(checkpoint_dir(trained))[0])
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         want = ours(x)

@@ -332,7 +332,7 @@ def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
 
 def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
     """Apply precision, data parallelism and graphs (in that order) to every chunk.
-    Returns (wrapped chunks, graph manager or None)."""
+    Returns (wrapped chunks, graphs: a graph manager, or NoGraphs)."""
     wrapped = list(chunks)
     if d.cuda:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -358,7 +358,8 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
                         "weight-gradient GEMMs fall back to slow kernels for them. "
                         "parallel.distributed_optimizer=true pads every one.", len(bad),
                         ", ".join(bad[:3]))
-    graphs = None
+    from vitgraph.graphs.off import NoGraphs
+    graphs = NoGraphs()
     if cfg.graphs.enabled and cfg.graphs.scope == "step":
         from vitgraph.graphs import StepGraphs
         graphs = StepGraphs(cfg.graphs, barrier=dist.barrier)
@@ -366,3 +367,12 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
         from vitgraph.graphs import GraphManager
         graphs = GraphManager.for_model(wrapped, cfg.graphs, pipeline_size=d.pp)
     return wrapped, graphs
+
+
+def for_inference(chunks: list) -> list:
+    """Chunks as evaluation runs them: bf16 through megatron-core's ``Float16Module`` (GPU),
+    as ``parallelize`` casts them; no data parallelism, no graphs."""
+    if not any(c.config.bf16 for c in chunks):
+        return list(chunks)
+    from megatron.core.transformer.module import Float16Module
+    return [Float16Module(c.config, c) for c in chunks]

@@ -30,11 +30,12 @@ from vitgraph.parallel.setup import Dist
 class Task:
     name = "abstract"
     fill_label = -1  # the label of samples that only fill an eval microbatch up
+    mixes_labels = False  # whether data.augment's mixup / cutmix apply
 
-    def __init__(self, cfg: Config, d: Dist):
+    def __init__(self, cfg: Config, d: Dist, total_steps: int | None = None):
         self.cfg, self.d = cfg, d
         self.num_classes = 0
-        self.total_steps: int | None = None  # the run's length, set by the trainer
+        self.total_steps = total_steps  # the run's length (None: evaluation only)
 
     def attach(self, train_set, val_set) -> None:
         self.num_classes = self.cfg.model.num_classes or len(train_set.classes)

@@ -15,9 +15,10 @@ from vitgraph.tasks.base import Task, reduce_stats, stats
 
 class ClassificationTask(Task):
     name = "classification"
+    mixes_labels = True
 
-    def __init__(self, cfg, d):
-        super().__init__(cfg, d)
+    def __init__(self, cfg, d, total_steps=None):
+        super().__init__(cfg, d, total_steps)
         self.arch = resolve_arch(cfg.model)
         self.image_size = self.arch.image_size
         self.augment = None

@@ -67,8 +67,8 @@ class ContrastiveTask(Task):
     name = "contrastive"
     fill_label = -2  # -1 is an unlabelled pair (WebDataset txt without cls): kept for retrieval
 
-    def __init__(self, cfg, d):
-        super().__init__(cfg, d)
+    def __init__(self, cfg, d, total_steps=None):
+        super().__init__(cfg, d, total_steps)
         self.arch = resolve_clip_arch(cfg.model)
         self.image_size = self.arch.vision.image_size
         self.context_length = cfg.task.context_length or self.arch.text.context_length
