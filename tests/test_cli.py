@@ -82,9 +82,10 @@ def test_eval_of_a_missing_checkpoint_names_it(trained, capsys):
 def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_path, capsys):
     from vitgraph.config import load_config
     from vitgraph.convert import load_into_model, read_checkpoint_weights
-    from vitgraph.parallel.setup import build_model
+    from vitgraph.models.build import build_model
+    from vitgraph.plan import resolve_plan
     cfg = load_config(trained / "config.yaml")
-    ours = build_model(cfg, dist1, 10)[0].eval()
+    ours = build_model(resolve_plan(cfg, dist1), cfg.model, dist1, 10, cfg.train.seed)[0].eval()
     from vitgraph.train.checkpoint import checkpoint_dir
     load_into_model(ours, read_checkpoint_weights(checkpoint_dir(trained))[0])
     x = torch.randn(2, 3, 32, 32)

@@ -30,6 +30,18 @@ ON_NEW_SHAPE = ("capture", "eager")
 POOLS = ("auto", "shared", "slot")
 
 
+@dataclass(frozen=True)
+class GraphPath:
+    """The graphs a run trains with, as resolved at start-up (vitgraph.plan.choose_graphs):
+    ``scope`` layer or step, None when ``enabled`` is false; ``reason``: why, for the log."""
+    enabled: bool
+    scope: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.scope if self.enabled else 'off'} ({self.reason})"
+
+
 @dataclass
 class GraphsConfig:
     enabled: bool = False

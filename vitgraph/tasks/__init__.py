@@ -3,15 +3,14 @@
 from vitgraph.tasks.base import Task
 
 
-def make_task(cfg, d, total_steps: int | None = None) -> Task:
-    """The task of ``cfg`` (task.kind, auto resolved from model.name) on this rank, for a run
+def make_task(plan, cfg, d, total_steps: int | None = None) -> Task:
+    """The task of the plan (vitgraph.plan.Plan: task.kind resolved) on this rank, for a run
     of ``total_steps`` (None: evaluation only)."""
-    from vitgraph.config import task_kind
-    if task_kind(cfg) == "contrastive":
+    if plan.task == "contrastive":
         from vitgraph.tasks.contrastive import ContrastiveTask
-        return ContrastiveTask(cfg, d, total_steps)
+        return ContrastiveTask(plan, cfg, d, total_steps)
     from vitgraph.tasks.classification import ClassificationTask
-    return ClassificationTask(cfg, d, total_steps)
+    return ClassificationTask(plan, cfg, d, total_steps)
 
 
 __all__ = ["Task", "make_task"]

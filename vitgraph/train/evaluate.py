@@ -131,21 +131,22 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
     to the run directory (see the module's docstring); returns them with the file's path."""
     from vitgraph.data import build_datasets
     from vitgraph.parallel.setup import for_inference, init_distributed, shutdown
+    from vitgraph.plan import resolve_plan
     from vitgraph.tasks import make_task
     from vitgraph.train import checkpoint as ckpt
 
     path = ckpt.checkpoint_dir(cfg.run_dir, checkpoint)
     d = init_distributed(cfg)
     try:
+        plan = resolve_plan(cfg, d)
         train_set, val_set = build_datasets(cfg.data, cfg.train.seed)
-        task = make_task(cfg, d)
+        task = make_task(plan, cfg, d)
         task.attach(train_set, val_set)
         chunks = task.build_model()
         wrapped = for_inference(chunks)
         step = ckpt.load_model(path, chunks)
         dataset = train_set if split == "train" else val_set
-        evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size,
-                              cfg.train.precision == "fp8")
+        evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size, plan.fp8)
         data = {**data_identity(cfg.data), "split": split, "images": len(dataset.labels)}
         result = {"step": step, "checkpoint": str(path), "split": split,
                   "data": {k: data[k] for k in ("kind", "path", "split", "images")},

@@ -18,10 +18,10 @@ from vitgraph import HARDWARE_QUEUES, hardware_queues
 from vitgraph.config import Config, save_config, validate_machine
 from vitgraph.data import MicrobatchLoader, build_datasets
 from vitgraph.data.prefetch import Prefetcher
-from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed, parallelize,
-                                     shutdown, use_bf16)
+                                     shutdown)
+from vitgraph.plan import Plan, resolve_plan
 from vitgraph.tasks import make_task
 from vitgraph.train import checkpoint
 from vitgraph.train.evaluate import Evaluator
@@ -83,6 +83,7 @@ class Trainer:
     def __init__(self, cfg: Config, stops: StopRequests | None = None):
         self.cfg, self.stops = cfg, stops
         self.d: Dist = init_distributed(cfg)
+        self.plan: Plan = resolve_plan(cfg, self.d)
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "checkpoints"
         self._start_run_dir()
@@ -124,7 +125,7 @@ class Trainer:
         self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size, self.num_microbatches,
                                        d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
-        self.task = make_task(cfg, d, self.total_steps)
+        self.task = make_task(self.plan, cfg, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
@@ -134,22 +135,23 @@ class Trainer:
     def _build_model(self) -> None:
         """This rank's model chunks (one per virtual pipeline stage), wrapped for precision,
         data parallelism and graphs; the optimizer, its LR schedule and megatron's hooks."""
-        cfg, d, t = self.cfg, self.d, self.cfg.train
+        cfg, d, t, plan = self.cfg, self.d, self.cfg.train, self.plan
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
         if cfg.model.init_from:
             from vitgraph.convert import init_from
             for chunk in self.chunks:
                 init_from(chunk, cfg.model.init_from, cfg.model.init_format)
-        self.wrapped, self.graphs = parallelize(self.chunks, cfg, d)
-        self.bf16 = use_bf16(cfg, d)
-        self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda)
+        self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, cfg.graphs, d)
+        self.optimizer = build_optimizer(self.wrapped, plan, cfg.optim,
+                                         cfg.parallel.distributed_optimizer)
         if cfg.data.prefetch:
             self.loader = Prefetcher(self.loader, d.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
         log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
-                 self._precision_name())
+                 plan.precision_name)
+        log.info("graphs: %s", plan.graphs)
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
@@ -157,17 +159,11 @@ class Trainer:
             _wire_ddp(self.model.config, self.wrapped, self.optimizer, cfg.parallel)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(self.task, self.wrapped, self.chunks, d,
-                                   t.eval_batch_size, t.precision == "fp8")
+                                   t.eval_batch_size, plan.fp8)
         # graphs.scope=step captures the whole step; every other path runs it eagerly
-        self.train_step = self._graphed_step if isinstance(self.graphs, StepGraphs) \
-            else self._eager_step
+        self.train_step = self._graphed_step if plan.graphs.scope == "step" else self._eager_step
 
     # ------------------------------------------------------------------ steps
-
-    def _precision_name(self) -> str:
-        if self.cfg.train.precision == "fp8":
-            return f"fp8 ({self.cfg.train.fp8_recipe} scaling) + bf16"
-        return "bf16" if self.bf16 else "fp32"
 
     def _prepare(self, raw: tuple, key, model=None) -> tuple:
         """One microbatch as the model takes it, on the device (the task's ``prepare``).
