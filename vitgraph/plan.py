@@ -73,12 +73,14 @@ def choose_graphs(cfg: Config, d: Dist) -> GraphPath:
 
 def resolve_plan(cfg: Config, d: Dist) -> Plan:
     """``cfg`` resolved for this rank (``d``: the process groups, made already)."""
+    t, m, p = cfg.train, cfg.model, cfg.parallel
+    graphs = choose_graphs(cfg, d)
+    p2p = p2p_mode(d.pp, d.vpp, p.overlap_p2p_comm)
     kind = task_kind(cfg)
-    spec = resolve_spec(cfg.model.spec)
+    spec = resolve_spec(m.spec)
     if spec == "te" and not d.cuda:
         raise ConfigError("model.spec='te' needs CUDA and Transformer Engine; use "
                           "model.spec=torch on CPU")
-    t, m, p = cfg.train, cfg.model, cfg.parallel
     pair = resolve_clip_arch(m) if kind == "contrastive" else None
     arch = pair.vision if pair is not None else resolve_arch(m)
     fp8 = t.precision == "fp8"
@@ -91,5 +93,4 @@ def resolve_plan(cfg: Config, d: Dist) -> Plan:
                 sequence_parallel=p.sequence_parallel,
                 sequence_parallel_tp=p.tp if p.sequence_parallel else 1,
                 fused_norm=use_fused_norm(m.fused_norm, fp8, t.micro_batch_size * seq),
-                graphs=choose_graphs(cfg, d), dp=d.dp, cuda=d.cuda,
-                p2p=p2p_mode(d.pp, d.vpp, p.overlap_p2p_comm))
+                graphs=graphs, dp=d.dp, cuda=d.cuda, p2p=p2p)

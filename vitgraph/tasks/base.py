@@ -32,7 +32,6 @@ from vitgraph.plan import Plan
 class Task:
     name = "abstract"
     fill_label = -1  # the label of samples that only fill an eval microbatch up
-    mixes_labels = False  # whether data.augment's mixup / cutmix apply
 
     def __init__(self, plan: Plan, cfg: Config, d: Dist, total_steps: int | None = None):
         self.plan, self.cfg, self.d = plan, cfg, d

@@ -13,7 +13,6 @@ from vitgraph.tasks.base import Task, reduce_stats, stats
 
 class ClassificationTask(Task):
     name = "classification"
-    mixes_labels = True
 
     def __init__(self, plan, cfg, d, total_steps=None):
         super().__init__(plan, cfg, d, total_steps)

@@ -114,6 +114,8 @@ class Trainer:
                         "queues slow training from shards (H200, ViT-B/16: 0.86x the synthetic "
                         "rate with 8, 0.95x with 32); unset it for vitgraph's %d",
                         queues, HARDWARE_QUEUES)
+        log.info("augmentation: %s", augment_line(cfg.data.augment,
+                                                  self.plan.task == "classification"))
 
     def _build_data_and_task(self) -> None:
         """The datasets, this rank's loader, the run's length, and the task (vitgraph.tasks:
@@ -130,7 +132,6 @@ class Trainer:
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
-        log.info("augmentation: %s", augment_line(cfg.data.augment, self.task.mixes_labels))
 
     def _build_model(self) -> None:
         """This rank's model chunks (one per virtual pipeline stage), wrapped for precision,
