@@ -37,7 +37,7 @@ DATA_IDENTITY = ("kind", "path", "num_train", "num_val", "render_size", "num_cla
                  "captions", "seed")
 
 
-def _split_padded(fields: tuple, k: int, multiple: int = 1, fill_label: int = -1) -> list:
+def split_padded(fields: tuple, k: int, multiple: int = 1, fill_label: int = -1) -> list:
     """One eval batch (images, labels, ...) as ``k`` equal microbatches of a multiple of
     ``multiple`` samples, filled up with copies of the first sample labelled ``fill_label``
     (the task leaves them out)."""
@@ -86,7 +86,7 @@ class Evaluator:
             w.eval()
         outputs = []
         for fields in iterate_eval(dataset, self.batch_size, self.d.dp_rank, self.d.dp):
-            mbs = _split_padded(fields, self.k, self.fill, self.task.fill_label)
+            mbs = split_padded(fields, self.k, self.fill, self.task.fill_label)
             mb = len(mbs[0][1])
             outputs += self.forward_backward(
                 forward_step_func=self._step,
