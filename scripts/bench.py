@@ -280,8 +280,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     state = {"step": 0}
 
     def step():
-        if trainer.graphs is not None:
-            trainer.graphs.step_begin(state["step"])
+        trainer.graphs.step_begin(state["step"])
         if data:  # as the loop does: this step's microbatches, the next staged during it
             trainer.train_step(trainer.loader.next_step(), getattr(trainer.loader, "stage_next", None))
         else:
@@ -292,7 +291,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
         m = _measure(step, warmup, iters)
         sec = m.pop("sec")
         extra = {}
-        if trainer.graphs is not None:
+        if trainer.graphs.stats():
             extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
                                     if isinstance(v, (int, float, str, bool))}
         flops = trainer.flops_per_sample

@@ -65,13 +65,23 @@ def test_eval_writes_only_its_json(trained, env_module):
     assert out == str(trained / "eval-12.json")
     result = json.loads((trained / "eval-12.json").read_text())
     assert result["step"] == 12 and result["eval_images"] == 200
+    assert result["data"] == {"kind": "shapes", "path": None, "split": "val", "images": 200}
     assert result["eval_top1"] == pytest.approx(metrics["eval_top1"])
     assert result["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
     run(env_module, "eval", str(trained / "config.yaml"), "--split", "train", "--checkpoint", "12")
     train_eval = json.loads((trained / "eval-12-train.json").read_text())
     assert train_eval["split"] == "train" and train_eval["eval_images"] == 512
+    assert train_eval["data"]["split"] == "train" and train_eval["data"]["images"] == 512
+    own = (trained / "eval-12.json").read_text()
+    # other data (here fewer held-out images): a file of its own, the run's eval kept
+    other = run(env_module, "eval", str(trained / "config.yaml"),
+                "data.num_val=100").stdout.strip().splitlines()[-1]
+    assert other.startswith(str(trained / "eval-12-shapes-")) and other.endswith(".json")
+    assert json.loads(open(other).read())["data"]["images"] == 100
+    assert (trained / "eval-12.json").read_text() == own
     after = snapshot(trained)
-    assert set(after) - set(before) == {"eval-12.json", "eval-12-train.json"}
+    assert set(after) - set(before) == {"eval-12.json", "eval-12-train.json",
+                                        other[len(str(trained)) + 1:]}
     assert {k: after[k] for k in before} == before  # nothing of the run changed
 
 def test_eval_of_a_missing_checkpoint_names_it(trained, capsys):
@@ -82,10 +92,12 @@ def test_eval_of_a_missing_checkpoint_names_it(trained, capsys):
 def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_path, capsys):
     from vitgraph.config import load_config
     from vitgraph.convert import load_into_model, read_checkpoint_weights
-    from vitgraph.parallel.setup import build_model
+    from vitgraph.models.build import build_model
+    from vitgraph.plan import resolve_plan
     cfg = load_config(trained / "config.yaml")
-    ours = build_model(cfg, dist1, 10)[0].eval()
-    load_into_model(ours, read_checkpoint_weights(trained)[0])
+    ours = build_model(resolve_plan(cfg, dist1), cfg.model, dist1, 10, cfg.train.seed)[0].eval()
+    from vitgraph.train.checkpoint import checkpoint_dir
+    load_into_model(ours, read_checkpoint_weights(checkpoint_dir(trained))[0])
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         want = ours(x)

@@ -14,9 +14,10 @@ dist1 = world_of_one("torch")
 
 
 def base_config(d, *over):
-    from vitgraph.parallel.setup import transformer_config
+    from vitgraph.models.build import transformer_config
+    from vitgraph.plan import resolve_plan
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
-    return transformer_config(cfg, d)
+    return transformer_config(resolve_plan(cfg, d), cfg.model, d)
 
 
 def tiny(d, seed=0, **kw):
@@ -78,9 +79,10 @@ def test_ln_pre_normalises_the_embedded_tokens(dist1):
 
 
 def test_classifier_defaults_unchanged(dist1):
-    from vitgraph.parallel.setup import build_model
+    from vitgraph.models.build import build_model
+    from vitgraph.plan import resolve_plan
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    model = build_model(cfg, dist1, 10)[0]
+    model = build_model(resolve_plan(cfg, dist1), cfg.model, dist1, 10, cfg.train.seed)[0]
     names = {n for n, _ in model.named_parameters()}
     assert "head.weight" in names and "patch_embed.bias" in names
     assert not any(n.startswith(("ln_pre", "proj")) for n in names)

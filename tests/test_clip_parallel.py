@@ -21,14 +21,17 @@ def _run(tp: int, name: str):
     from megatron.core import parallel_state as ps
     from vitgraph.config import load_config
     from vitgraph.models.clip import build_clip
-    from vitgraph.parallel.setup import init_distributed, transformer_config
+    from vitgraph.models.build import transformer_config
+    from vitgraph.parallel.setup import init_distributed
+    from vitgraph.plan import resolve_plan
     from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
     from vitgraph.text.tokenizer import ByteTokenizer
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
                       ["model.spec=torch", f"parallel.tp={tp}", "train.global_batch_size=64"])
     d = init_distributed(cfg)
-    model = build_clip(name, transformer_config(cfg, d), "torch", seed=5, tp_rank=d.tp_rank,
-                       tp_size=d.tp)
+    plan = resolve_plan(cfg, d)
+    model = build_clip(name, transformer_config(plan, cfg.model, d), "torch", seed=5,
+                       tp_rank=d.tp_rank, tp_size=d.tp)
     g = torch.Generator().manual_seed(0)
     images = torch.randn(4, 3, 32, 32, generator=g)
     toks = ByteTokenizer(128)(["a red star", "a blue circle on the left", "x", "a big square"])

@@ -16,7 +16,8 @@ def _pair(d):
     from transformers import CLIPConfig, CLIPModel
     from vitgraph.config import load_config
     from vitgraph.models.clip import build_clip
-    from vitgraph.parallel.setup import transformer_config
+    from vitgraph.models.build import transformer_config
+    from vitgraph.plan import resolve_plan
     from conftest import ROOT
     torch.manual_seed(0)
     hf = CLIPModel(CLIPConfig(
@@ -28,7 +29,8 @@ def _pair(d):
     arch = CLIPArch(24, ViTArch(48, 2, 3, 96, 4, 16), TextArch(259, 24, 32, 2, 4, 64),
                     activation="quick_gelu", layernorm_epsilon=1e-5)
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    ours = build_clip(arch, transformer_config(cfg, d), "torch", seed=0).eval()
+    plan = resolve_plan(cfg, d)
+    ours = build_clip(arch, transformer_config(plan, cfg.model, d), "torch", seed=0).eval()
     return hf, ours
 
 
@@ -88,7 +90,8 @@ def test_hf_siglip_weights_give_the_same_embeddings(dist1):
     from vitgraph.convert.clip_hf import hf_siglip_to_vitgraph, vitgraph_to_hf_siglip
     from vitgraph.models.clip import build_clip
     from vitgraph.models.registry import get_clip_arch
-    from vitgraph.parallel.setup import transformer_config
+    from vitgraph.models.build import transformer_config
+    from vitgraph.plan import resolve_plan
     from conftest import ROOT
     torch.manual_seed(0)
     hf = SiglipModel(SiglipConfig(
@@ -105,7 +108,8 @@ def test_hf_siglip_weights_give_the_same_embeddings(dist1):
                                                         num_heads=4, ffn_hidden_size=96,
                                                         context_length=20))
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    ours = build_clip(arch, transformer_config(cfg, dist1), "torch", seed=0).eval()
+    plan = resolve_plan(cfg, dist1)
+    ours = build_clip(arch, transformer_config(plan, cfg.model, dist1), "torch", seed=0).eval()
     sd = hf_siglip_to_vitgraph(hf.state_dict(), vision_heads=3, text_heads=4)
     ours.load_state_dict(sd, strict=True)
     images = torch.randn(3, 3, 16, 16)

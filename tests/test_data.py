@@ -804,9 +804,9 @@ def test_an_encoded_eval_batch_is_padded_and_cut_into_microbatches():
     """``data.decode=cuda`` eval batches stay encoded until the device: they are filled up and
     cut into microbatches like tensors (a run from shards failed here after its last step)."""
     from vitgraph.data.decode import EncodedImages
-    from vitgraph.train.loop import _split_padded
+    from vitgraph.train.evaluate import split_padded
     enc = EncodedImages([torch.tensor([i], dtype=torch.uint8) for i in range(5)], 16)
-    mbs = _split_padded((enc, torch.arange(5)), 2, fill_label=-1)
+    mbs = split_padded((enc, torch.arange(5)), 2, fill_label=-1)
     assert [len(im) for im, _ in mbs] == [3, 3]
     assert [int(d) for im, _ in mbs for d in im.data] == [0, 1, 2, 3, 4, 0]
     assert mbs[1][1].tolist() == [3, 4, -1] and mbs[0][0].size == 16

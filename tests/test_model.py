@@ -13,9 +13,10 @@ dist1 = world_of_one("torch")
 
 
 def build(d, *over):
-    from vitgraph.parallel.setup import build_model
+    from vitgraph.models.build import build_model
+    from vitgraph.plan import resolve_plan
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
-    return build_model(cfg, d, 10)[0], cfg
+    return build_model(resolve_plan(cfg, d), cfg.model, d, 10, cfg.train.seed)[0], cfg
 
 
 def test_registry_names_and_aliases():
@@ -83,9 +84,11 @@ def test_interleaved_chunks_tell_float16module_their_virtual_stage(dist1):
     from megatron.core.transformer.module import Float16Module
     from vitgraph.models.specs import get_layer_spec
     from vitgraph.models.vit import ViT
-    from vitgraph.parallel.setup import transformer_config
+    from vitgraph.models.build import transformer_config
+    from vitgraph.plan import resolve_plan
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    tc = dataclasses.replace(transformer_config(cfg, dist1), bf16=True,
+    plan = resolve_plan(cfg, dist1)
+    tc = dataclasses.replace(transformer_config(plan, cfg.model, dist1), bf16=True,
                              params_dtype=torch.bfloat16, virtual_pipeline_model_parallel_size=2)
     arch = resolve_arch(cfg.model)
     first, last = (Float16Module(tc, ViT(tc, get_layer_spec("torch"), arch, 10, vp_stage=i,
@@ -185,14 +188,14 @@ def test_fused_norm_auto_decides_by_the_micro_batch_tokens(dist1):
     micro-batch (faster there on an H200, slower for small ones); never under FP8."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from vitgraph.models.specs import ResidualNormLayer
-    from vitgraph.parallel.setup import FUSED_NORM_MIN_TOKENS, use_fused_norm
+    from vitgraph.models.build import FUSED_NORM_MIN_TOKENS, use_fused_norm
     small, cfg = build(dist1, "train.micro_batch_size=8", "train.global_batch_size=8")
     assert type(small.decoder.layers[0]) is TransformerLayer  # 8 x 65 tokens
     mb = -(-FUSED_NORM_MIN_TOKENS // small.seq_len)
     large, _ = build(dist1, f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}")
     assert type(large.decoder.layers[0]) is ResidualNormLayer
-    assert use_fused_norm(cfg, 1) is False
-    cfg.model.fused_norm = "always"
-    assert use_fused_norm(cfg, 1) is True
-    cfg.train.precision = "fp8"
-    assert use_fused_norm(cfg, 10 ** 9) is False
+    assert use_fused_norm("auto", False, 1) is False
+    assert use_fused_norm("auto", False, FUSED_NORM_MIN_TOKENS) is True
+    assert use_fused_norm("always", False, 1) is True
+    assert use_fused_norm("never", False, 10 ** 9) is False
+    assert use_fused_norm("always", True, 10 ** 9) is False  # FP8: TE's layers normalise

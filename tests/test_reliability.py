@@ -20,6 +20,7 @@ from PIL import Image
 from conftest import ROOT, checkpoint_tensors, free_port, tiny_overrides, vitgraph_cmd
 from vitgraph.cli import main
 from vitgraph.config import ConfigError, load_config, save_config
+from faults import nan_loss_at
 from vitgraph.parallel.setup import Dist
 from vitgraph.train import checkpoint
 from vitgraph.train.preempt import PREEMPTED_EXIT
@@ -357,9 +358,10 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, env):
                          ids=["eager", "graphs", "step-graphs"])
 def test_nan_steps_are_skipped_without_touching_weights_or_optimizer(tmp_path, capsys, extra):
     run_dir = tmp_path / "run"
-    code, _, err = train_here(capsys, run_dir, *extra, steps=8,
-                              **{"train.log_every": 1, "checkpoint.every": 1,
-                                 "checkpoint.keep": 20, "train.inject_nan_steps": "4-5"})
+    with nan_loss_at("4-5"):
+        code, _, err = train_here(capsys, run_dir, *extra, steps=8,
+                                  **{"train.log_every": 1, "checkpoint.every": 1,
+                                     "checkpoint.keep": 20})
     assert code == 0, err
     log = {r["step"]: r for r in read_log(run_dir) if "skipped_steps" in r}
     assert [log[s]["skipped_steps"] for s in range(1, 9)] == [0, 0, 0, 1, 2, 2, 2, 2]
@@ -426,10 +428,10 @@ def test_megatron_optimizer_step_skips_a_non_finite_grad_norm(clip):
 
 def test_too_many_bad_steps_in_a_row_stop_and_keep_the_last_good_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code, _, err = train_here(capsys, run_dir, steps=20,
-                              **{"train.log_every": 5, "checkpoint.every": 2,
-                                 "checkpoint.keep": 1, "train.inject_nan_steps": "4-20",
-                                 "train.max_bad_steps": 3})
+    with nan_loss_at("4-20"):
+        code, _, err = train_here(capsys, run_dir, steps=20,
+                                  **{"train.log_every": 5, "checkpoint.every": 2,
+                                     "checkpoint.keep": 1, "train.max_bad_steps": 3})
     assert code == 1, err
     line = err.strip().splitlines()
     assert len(line) == 1 and "after step 6" in line[0] and "NumericalError" in line[0]

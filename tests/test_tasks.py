@@ -102,8 +102,9 @@ def test_caption_dropout_in_the_task_starts_late_and_spares_held_out():
     cfg = load_config(CLIP, ["data.caption_dropout=0.5", "data.caption_dropout_start=0.6",
                              "train.steps=100"])
     cfg.train.global_batch_size = 64
-    task = ContrastiveTask(cfg, types.SimpleNamespace(dp_rank=0, dp=1, device="cpu"))
-    task.total_steps = 100
+    from vitgraph.plan import resolve_plan
+    d = types.SimpleNamespace(dp_rank=0, dp=1, pp=1, vpp=1, device="cpu", cuda=False)
+    task = ContrastiveTask(resolve_plan(cfg, d), cfg, d, total_steps=100)
     caps = ["a large white star", "a small dark blue L-shape"] * 32
     images = torch.zeros(64, 32, 32, 3, dtype=torch.uint8)
     labels = torch.zeros(64, dtype=torch.long)

@@ -41,8 +41,14 @@ def test_train_end_to_end_writes_metrics_and_run_dir(tmp_path, env):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     log = read_log(run_dir)
-    for key in ("loss", "lr", "grad_norm", "images_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"):
+    for key in ("loss", "lr", "grad_norm", "images_per_s", "tflops_per_gpu", "peak_mem_gib"):
         assert all(key in rec for rec in log if "loss" in rec), key
+    # no MFU where the device's peak is not known (CPU), rather than 0.0%
+    assert not any("mfu" in rec for rec in log) and "mfu" not in metrics
+    lines = [x for x in (run_dir / "train.log").read_text().splitlines() if " step " in x
+             and "/30 |" in x]
+    assert lines and all("| eta " in x and "MFU" not in x for x in lines), lines
+    assert "augmentation: off" in (run_dir / "train.log").read_text()
     assert [rec["step"] for rec in log if "eval_top1" in rec] == [15, 30]
     losses = train_losses(run_dir)
     assert losses[30] < losses[5], losses  # it learns something in 30 steps

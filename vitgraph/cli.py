@@ -167,6 +167,7 @@ def _export(args) -> int:
     from vitgraph.convert import (ConvertError, from_vitgraph, read_checkpoint_weights,
                                   save_safetensors)
     from vitgraph.models.registry import CLIP_MODELS, resolve_arch
+    from vitgraph.train.checkpoint import checkpoint_dir
     run_dir = Path(args.run_dir)
     try:
         raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
@@ -178,7 +179,8 @@ def _export(args) -> int:
         else:
             arch = resolve_arch(model_cfg)
             heads = (arch.num_heads, None)
-        sd, step, path = read_checkpoint_weights(run_dir, args.checkpoint)
+        path = checkpoint_dir(run_dir, args.checkpoint)
+        sd, step = read_checkpoint_weights(path)
         out = from_vitgraph(sd, args.format, *heads)
         meta = {"format": "pt", "vitgraph_format": args.format, "step": step,
                 "checkpoint": str(path), "model": model_cfg.name}

@@ -54,7 +54,7 @@ class ModelConfig:
     gradient_accumulation_fusion: bool = True
     # each residual add inside the LayerNorm that reads it, one Triton kernel each way on a
     # GPU (vitgraph.models.specs.ResidualNormLayer): always | never | auto (when a training
-    # micro-batch holds at least vitgraph.parallel.setup.FUSED_NORM_MIN_TOKENS tokens: faster
+    # micro-batch holds at least vitgraph.models.build.FUSED_NORM_MIN_TOKENS tokens: faster
     # for large micro-batches, slower for small ones). Never with train.precision=fp8, whose
     # TE norms write FP8 for the GEMM after them
     fused_norm: str = key("auto", choices=("auto", "always", "never"))

@@ -29,11 +29,10 @@ def run_steps(t, first, last):
     out = []
     for s in range(first, last):
         t.step = s
-        if t.graphs is not None:
-            t.graphs.step_begin(s)
-        stats, norm, ok = t.train_step(data(s))
-        assert bool(ok)
-        out.append(((stats[0] / stats[2]).item(), float(norm)))
+        t.graphs.step_begin(s)
+        r = t.train_step(data(s))
+        assert bool(r.ok)
+        out.append(((r.stats[0] / r.stats[2]).item(), float(r.grad_norm)))
     t.step = last
     return out
 

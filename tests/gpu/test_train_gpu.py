@@ -35,10 +35,9 @@ def train(trainer, steps, data=None):
     data = data or batches()
     out = []
     for s in range(steps):
-        if trainer.graphs is not None:
-            trainer.graphs.step_begin(s)
-        stats, norm, ok = trainer.train_step(data)
-        out.append((stats[0] / stats[2]).item())
+        trainer.graphs.step_begin(s)
+        r = trainer.train_step(data)
+        out.append((r.stats[0] / r.stats[2]).item())
     return out
 
 

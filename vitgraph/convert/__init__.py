@@ -9,15 +9,15 @@
   pair or its image tower (head re-init, position embedding resize, an error naming any
   missing or unexpected key);
 - ``export_state_dict``: a model's weights out, with full-model names;
-- ``read_checkpoint_weights``: the model weights of a training checkpoint.
+- ``read_checkpoint_weights``: the model weights of a training checkpoint's step directory.
 """
 from vitgraph.convert.names import (FORMATS, ConvertError, detect_format, from_vitgraph,
                                     to_vitgraph)
-from vitgraph.convert.run_weights import checkpoint_dir, read_checkpoint_weights, read_dist_weights
+from vitgraph.convert.run_weights import read_checkpoint_weights, read_dist_weights
 from vitgraph.convert.weights import (export_state_dict, heads_of, init_from, load_file,
                                       load_into_model, save_safetensors, unwrap)
 
-__all__ = ["FORMATS", "ConvertError", "checkpoint_dir", "detect_format", "export_state_dict",
+__all__ = ["FORMATS", "ConvertError", "detect_format", "export_state_dict",
            "from_vitgraph", "heads_of", "init_from", "load_file", "load_into_model",
            "read_checkpoint_weights", "read_dist_weights", "save_safetensors", "to_vitgraph",
            "unwrap"]

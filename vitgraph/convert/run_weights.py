@@ -20,33 +20,14 @@ from vitgraph.convert.names import ConvertError
 _STACKED = re.compile(r"^(.*?decoder\.layers\.)(?!\d+\.)(.+)$")
 
 
-def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
-    """The step directory: the newest complete one, a step number, or a path."""
-    from vitgraph.train.checkpoint import latest
-    ckpts = Path(run_dir) / "checkpoints"
-    if checkpoint is None:
-        path = latest(ckpts) if ckpts.is_dir() else None
-        if path is None:
-            raise ConvertError(f"{run_dir}: no complete checkpoint under {ckpts}")
-        return path
-    s = str(checkpoint)
-    if s.isdigit():
-        path = ckpts / f"step_{int(s):06d}"
-    else:
-        path = Path(s)
-    if not path.is_dir() or path.name.endswith(".tmp"):
-        raise ConvertError(f"checkpoint {s!r}: no complete checkpoint directory {path}")
-    return path
-
-
-def read_checkpoint_weights(run_dir: str | Path, checkpoint: str | int | None = None
-                            ) -> tuple[dict[str, torch.Tensor], int, Path]:
-    """(full state dict with global layer numbers, step, step directory)."""
-    path = checkpoint_dir(run_dir, checkpoint)
+def read_checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
+    """(full state dict with global layer numbers, step) of one checkpoint's step directory
+    (vitgraph.train.checkpoint.checkpoint_dir finds it in a run)."""
+    path = Path(path)
     sd, step = read_dist_weights(path / "dist")
     if not sd:
         raise ConvertError(f"{path / 'dist'}: holds no model tensors")
-    return sd, step, path
+    return sd, step
 
 
 def read_dist_weights(dist_dir: Path) -> tuple[dict[str, torch.Tensor], int]:

@@ -31,9 +31,21 @@ class GraphPath:
     reason: str
 
     @property
+    def enabled(self) -> bool:
+        return self.config.enabled is True
+
+    @property
+    def scope(self) -> str | None:
+        """layer | step; None when the run is eager."""
+        return self.config.scope if self.enabled else None
+
+    @property
     def name(self) -> str:
         """eager | layer | step: what the logs and benchmark rows call the path."""
-        return self.config.scope if self.config.enabled else "eager"
+        return self.scope or "eager"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
 
 
 def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",

@@ -266,7 +266,7 @@ def _split_qkv_without_copy() -> None:
 def _te_row_parallel_with_bias_in_gemm():
     """megatron's TE row-parallel linear adding its bias inside the GEMM (its gradient comes
     from the backward GEMMs) instead of returning it for a bias-dropout-add, which with that
-    fusion off (see vitgraph.parallel.setup) is a separate broadcast add over the
+    fusion off (see vitgraph.models.build) is a separate broadcast add over the
     activations. For linear_proj and linear_fc2; fc1's bias goes with the activation."""
     from megatron.core.extensions.transformer_engine import TERowParallelLinear
 

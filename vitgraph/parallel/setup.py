@@ -1,22 +1,19 @@
-"""Process groups, model construction and ``parallelize``: the one place where precision, data
-parallelism and CUDA graphs are applied to the model, in this order:
+"""Process groups and ``parallelize``: the one place where precision, data parallelism and
+CUDA graphs are applied to this rank's model chunks (built by vitgraph.models.build), in this
+order:
 
-1. build this rank's model chunks: one ``ViT`` per virtual pipeline stage (one without
-   interleaving); tensor-, sequence- and pipeline-parallel layers come from megatron-core, and
-   the weights are drawn layout-independently (vitgraph.models.init);
-2. precision: bf16 through megatron-core's ``Float16Module`` (GPU); FP8 is TE's, inside the
+1. precision: bf16 through megatron-core's ``Float16Module`` (GPU); FP8 is TE's, inside the
    layers (TransformerConfig.fp8);
-3. data parallelism: megatron-core ``DistributedDataParallel`` per chunk, with gradient
+2. data parallelism: megatron-core ``DistributedDataParallel`` per chunk, with gradient
    reduction overlapped with the backward pass and, by default, the distributed optimizer's
    padded buffers (GPU; on CPU gradients are all-reduced by ``CpuOptimizer``);
-4. CUDA graphs over the encoder layers of every chunk (vitgraph.graphs), last, so they
+3. CUDA graphs over the encoder layers of every chunk (vitgraph.graphs), last, so they
    capture the modules exactly as they run.
 """
 from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import socket
 from dataclasses import dataclass
@@ -25,14 +22,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vitgraph.config import Config, ConfigError, check_layout
-from vitgraph.models.init import init_weights
-from vitgraph.models.registry import resolve_arch
-from vitgraph.models.specs import get_layer_spec, resolve_spec
-from vitgraph.models.vit import ViT, sequence_length
 from vitgraph.graphs.auto import GraphPath, choose_graphs
+from vitgraph.models.specs import resolve_spec
 from vitgraph.parallel import cpu_shims
 
 log = logging.getLogger("vitgraph")
@@ -200,64 +193,6 @@ def shutdown(failed: bool = False) -> None:
     dist.destroy_process_group()
 
 
-def use_bf16(cfg: Config, d: Dist) -> bool:
-    """bf16 weights and activations (FP8 runs keep bf16 outside TE's FP8 GEMMs)."""
-    if cfg.train.precision == "auto":
-        return d.cuda
-    return cfg.train.precision in ("bf16", "fp8")
-
-
-# model.fused_norm=auto: the fused residual add + LayerNorm from this many tokens in a training
-# micro-batch. ViT-L/16 step graphs on an H200 (benchmarks/BENCHMARKS.md): at mb 256
-# (50,432 tokens) 1,276.8 img/s fused against 1,259.7; at mb 8 (1,576) 550.7 against 572.4
-# (the fused kernels' fixed costs: partial-sum reductions, small launches). A straight line
-# through the two puts the crossing near 11,000 tokens; nothing between them was measured.
-FUSED_NORM_MIN_TOKENS = 16384
-
-
-def use_fused_norm(cfg: Config, tokens: int) -> bool:
-    """ResidualNormLayer (vitgraph.models.specs) for this run; ``tokens``: a training
-    micro-batch's tokens (micro-batch x sequence length) in the encoder it is for."""
-    if cfg.train.precision == "fp8" or cfg.model.fused_norm == "never":
-        return False
-    return cfg.model.fused_norm == "always" or tokens >= FUSED_NORM_MIN_TOKENS
-
-
-FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}
-
-
-def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
-    arch = resolve_arch(cfg.model)
-    spec = resolve_spec(cfg.model.spec)
-    fuse_wgrad = cfg.model.gradient_accumulation_fusion and d.cuda and spec == "te"
-    bf16 = use_bf16(cfg, d)
-    fp8 = cfg.train.precision == "fp8"
-    p = cfg.parallel
-    return TransformerConfig(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads, ffn_hidden_size=arch.ffn_hidden_size,
-        hidden_dropout=cfg.model.hidden_dropout, attention_dropout=cfg.model.attention_dropout,
-        layernorm_epsilon=cfg.model.layernorm_epsilon, add_bias_linear=True,
-        activation_func=torch.nn.functional.gelu, gated_linear_unit=False,
-        normalization="LayerNorm", init_method_std=cfg.model.init_std,
-        tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
-        virtual_pipeline_model_parallel_size=d.vpp if d.vpp > 1 else None,
-        sequence_parallel=p.sequence_parallel, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # vitgraph.models.init draws the weights again, layout-independently; the layers'
-        # own initialisation stays on because it also tags tensor-parallel parameters
-        # (partition_dim, used by init, grad clipping and checkpoints)
-        use_cpu_initialization=not d.cuda, perform_initialization=True,
-        fp8="hybrid" if fp8 else None, fp8_recipe=FP8_RECIPES[cfg.train.fp8_recipe] if fp8 else "delayed",
-        fp8_amax_history_len=1024 if fp8 and cfg.train.fp8_recipe == "delayed" else 1,
-        fp8_amax_compute_algo="max",
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=fuse_wgrad, persist_layer_norm=False,
-        **p2p_mode(d.pp, d.vpp, p.overlap_p2p_comm),
-    )
-
-
 def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:
     """How stages exchange activations and gradients (megatron's p2p settings), the same on
     CPU (gloo) and GPU (NCCL).
@@ -273,49 +208,6 @@ def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:
     cannot be captured in a whole-step graph."""
     batch = not overlap and not (pp == 2 and vpp > 1)
     return dict(batch_p2p_comm=batch, overlap_p2p_comm=overlap, batch_p2p_sync=False)
-
-
-def token_padding(cfg: Config, micro_batch_size: int) -> int:
-    """Pad the token sequence to a multiple of this (1: no padding).
-
-    Sequence parallel splits the tokens over the tp ranks; FP8 GEMMs need the token count
-    (sequence x micro-batch) to be a multiple of 16. Padded tokens are masked out of attention
-    and dropped before the head (vitgraph.models.vit).
-    """
-    multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    if cfg.train.precision == "fp8":
-        fp8 = 16 // math.gcd(16, micro_batch_size)
-        multiple = multiple * fp8 // math.gcd(multiple, fp8)
-    return multiple
-
-
-def build_model(cfg: Config, d: Dist, num_classes: int) -> list[ViT]:
-    """This rank's model chunks: one per virtual pipeline stage (a list of one without)."""
-    spec = resolve_spec(cfg.model.spec)
-    if spec == "te" and not d.cuda:
-        raise ConfigError("model.spec='te' needs CUDA and Transformer Engine; use "
-                          "model.spec=torch on CPU")
-    arch = resolve_arch(cfg.model)
-    config = transformer_config(cfg, d)
-    # the padding mask costs a little in attention: only layers that may see padding get it
-    # (eval batches of other sizes are filled up instead: Trainer.evaluate)
-    pad = token_padding(cfg, cfg.train.micro_batch_size)
-    tokens = cfg.train.micro_batch_size * sequence_length(arch, cfg.model.class_token,
-                                                          cfg.model.num_registers)
-    layer_spec = get_layer_spec(spec, padding_mask=pad > 1,
-                                fused_norm=use_fused_norm(cfg, tokens))
-    chunks = []
-    for vp in range(d.vpp):
-        first = d.is_first_stage and vp == 0
-        last = d.is_last_stage and vp == d.vpp - 1
-        chunk = ViT(config, layer_spec, arch, cfg.model.num_classes or num_classes,
-                    num_registers=cfg.model.num_registers, class_token=cfg.model.class_token,
-                    pool=cfg.model.pool, pre_process=first, post_process=last,
-                    vp_stage=vp if d.vpp > 1 else None,
-                    pad_to=(lambda b: token_padding(cfg, b)) if pad > 1 else None)
-        init_weights(chunk, cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp)
-        chunks.append(chunk)
-    return chunks
 
 
 ALIGN_BYTES = 256
@@ -335,14 +227,14 @@ def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
     return out
 
 
-def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
-    """Apply precision, data parallelism and graphs (in that order) to every chunk.
-    Returns (wrapped chunks, graph manager or None)."""
+def parallelize(chunks: list, plan, p, d: Dist):
+    """Apply precision, data parallelism and graphs (in that order) to every chunk, as the
+    plan (vitgraph.plan.Plan: its graph path) and the ``parallel:`` section ``p`` say.
+    Returns (wrapped chunks, graphs: a graph manager, or NoGraphs)."""
     wrapped = list(chunks)
     if d.cuda:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
-        p = cfg.parallel
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=p.grad_reduce_in_fp32, overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.distributed_optimizer,
@@ -363,20 +255,21 @@ def parallelize(chunks: list[ViT], cfg: Config, d: Dist):
                         "weight-gradient GEMMs fall back to slow kernels for them. "
                         "parallel.distributed_optimizer=true pads every one.", len(bad),
                         ", ".join(bad[:3]))
-    gcfg = graph_config(cfg, d)
-    graphs = None
-    if gcfg.enabled and gcfg.scope == "step":
+    from vitgraph.graphs.off import NoGraphs
+    graphs = NoGraphs()
+    if plan.graphs.scope == "step":
         from vitgraph.graphs import StepGraphs
-        graphs = StepGraphs(gcfg, barrier=dist.barrier)
-    elif gcfg.enabled:
+        graphs = StepGraphs(plan.graphs.config, barrier=dist.barrier)
+    elif plan.graphs.enabled:
         from vitgraph.graphs import GraphManager
-        graphs = GraphManager.for_model(wrapped, gcfg, pipeline_size=d.pp)
+        graphs = GraphManager.for_model(wrapped, plan.graphs.config, pipeline_size=d.pp)
     return wrapped, graphs
 
 
-def graph_config(cfg: Config, d: Dist):
-    """The ``graphs`` section as this run applies it (``graphs.enabled: auto`` resolved)."""
-    if d.graphs is not None:
-        return d.graphs.config
-    return choose_graphs(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe,
-                         d.tp).config
+def for_inference(chunks: list) -> list:
+    """Chunks as evaluation runs them: bf16 through megatron-core's ``Float16Module`` (GPU),
+    as ``parallelize`` casts them; no data parallelism, no graphs."""
+    if not any(c.config.bf16 for c in chunks):
+        return list(chunks)
+    from megatron.core.transformer.module import Float16Module
+    return [Float16Module(c.config, c) for c in chunks]

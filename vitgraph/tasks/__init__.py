@@ -3,14 +3,14 @@
 from vitgraph.tasks.base import Task
 
 
-def make_task(cfg, d) -> Task:
-    """The task of ``cfg`` (task.kind, auto resolved from model.name) on this rank."""
-    from vitgraph.config import task_kind
-    if task_kind(cfg) == "contrastive":
-        from vitgraph.tasks.contrastive import ContrastiveTask
-        return ContrastiveTask(cfg, d)
-    from vitgraph.tasks.classification import ClassificationTask
-    return ClassificationTask(cfg, d)
+def make_task(plan, cfg, d, total_steps: int | None = None) -> Task:
+    """The task of the plan (vitgraph.plan.Plan: task.kind resolved) on this rank, for a run
+    of ``total_steps`` (None: evaluation only)."""
+    if plan.task == "classification":
+        from vitgraph.tasks.classification import ClassificationTask
+        return ClassificationTask(plan, cfg, d, total_steps)
+    from vitgraph.tasks.contrastive import ContrastiveTask
+    return ContrastiveTask(plan, cfg, d, total_steps)
 
 
 __all__ = ["Task", "make_task"]

@@ -6,7 +6,8 @@ supplies, through this interface only:
 
 * ``attach(train, val)``: anything it adds to the datasets (the contrastive task tokenizes the
   captions once, so every microbatch carries its token ids);
-* ``build_model()``: this rank's model chunks (one per virtual pipeline stage);
+* ``build_model()``: this rank's model chunks (one per virtual pipeline stage), as the plan
+  (vitgraph.plan.Plan: architecture, layers, precision, padding) says;
 * ``prepare(raw, key, device, first_stage)``: one microbatch as the model takes it, on the
   device (augmented when ``key`` is a training (step, microbatch) pair);
 * ``forward(model, inputs)`` and ``loss(inputs, output) -> (loss, stats)``, where stats is
@@ -25,16 +26,17 @@ import torch.distributed as dist
 
 from vitgraph.config import Config
 from vitgraph.parallel.setup import Dist
+from vitgraph.plan import Plan
 
 
 class Task:
     name = "abstract"
     fill_label = -1  # the label of samples that only fill an eval microbatch up
 
-    def __init__(self, cfg: Config, d: Dist):
-        self.cfg, self.d = cfg, d
+    def __init__(self, plan: Plan, cfg: Config, d: Dist, total_steps: int | None = None):
+        self.plan, self.cfg, self.d = plan, cfg, d
         self.num_classes = 0
-        self.total_steps: int | None = None  # the run's length, set by the trainer
+        self.total_steps = total_steps  # the run's length (None: evaluation only)
 
     def attach(self, train_set, val_set) -> None:
         self.num_classes = self.cfg.model.num_classes or len(train_set.classes)

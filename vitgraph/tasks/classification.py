@@ -6,19 +6,17 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph.data.augment import BatchAugment, prepare_batch
-from vitgraph.models.registry import resolve_arch
-from vitgraph.models.specs import resolve_spec
+from vitgraph.models.build import build_model
 from vitgraph.models.vit import vit_flops_per_image
-from vitgraph.parallel.setup import build_model
 from vitgraph.tasks.base import Task, reduce_stats, stats
 
 
 class ClassificationTask(Task):
     name = "classification"
 
-    def __init__(self, cfg, d):
-        super().__init__(cfg, d)
-        self.arch = resolve_arch(cfg.model)
+    def __init__(self, plan, cfg, d, total_steps=None):
+        super().__init__(plan, cfg, d, total_steps)
+        self.arch = plan.arch
         self.image_size = self.arch.image_size
         self.augment = None
 
@@ -30,7 +28,8 @@ class ClassificationTask(Task):
                                         cfg.train.label_smoothing, cfg.train.seed, self.d.dp_rank)
 
     def build_model(self) -> list:
-        chunks = build_model(self.cfg, self.d, self.num_classes)
+        chunks = build_model(self.plan, self.cfg.model, self.d, self.num_classes,
+                             self.cfg.train.seed)
         self.flops_per_sample = vit_flops_per_image(self.arch, chunks[0].num_prefix,
                                                     self.num_classes)
         return chunks
@@ -38,7 +37,7 @@ class ClassificationTask(Task):
     def describe(self, chunks: list, micro_batch: int) -> str:
         m = chunks[0]
         padded = m.padded_len(micro_batch)
-        return (f"{self.cfg.model.name}, spec {resolve_spec(self.cfg.model.spec)}, "
+        return (f"{self.cfg.model.name}, spec {self.plan.spec}, "
                 f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this rank, "
                 f"{m.seq_len} tokens"
                 + (f" (padded to {padded}, masked)" if padded > m.seq_len else "")

@@ -22,11 +22,9 @@ from megatron.core import parallel_state as ps
 
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.data import DataError
+from vitgraph.models.build import transformer_config
 from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
-from vitgraph.models.registry import resolve_clip_arch
-from vitgraph.models.specs import resolve_spec
-from vitgraph.models.vit import sequence_length, unwrap
-from vitgraph.parallel.setup import token_padding, transformer_config, use_fused_norm
+from vitgraph.models.vit import unwrap
 from vitgraph.tasks.base import Task, stats
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
@@ -67,9 +65,9 @@ class ContrastiveTask(Task):
     name = "contrastive"
     fill_label = -2  # -1 is an unlabelled pair (WebDataset txt without cls): kept for retrieval
 
-    def __init__(self, cfg, d):
-        super().__init__(cfg, d)
-        self.arch = resolve_clip_arch(cfg.model)
+    def __init__(self, plan, cfg, d, total_steps=None):
+        super().__init__(plan, cfg, d, total_steps)
+        self.arch = plan.pair
         self.image_size = self.arch.vision.image_size
         self.context_length = cfg.task.context_length or self.arch.text.context_length
         self.tokenizer = make_tokenizer(cfg.task.tokenizer, self.arch.text.vocab_size,
@@ -101,19 +99,15 @@ class ContrastiveTask(Task):
                                         self.cfg.train.seed, self.d.dp_rank)
 
     def build_model(self) -> list:
-        cfg, d = self.cfg, self.d
-        pad = token_padding(cfg, cfg.train.micro_batch_size)
+        plan, d = self.plan, self.d
         bias = None
         if self.loss_name == "siglip" and self.arch.init_logit_bias is None:
             bias = -10.0  # SigLIP's initial bias, for a pair registered without one
-        # the fused norms are decided on the image tower's tokens, for both towers
-        tokens = sequence_length(self.arch.vision, self.arch.class_token)
-        model = build_clip(self.arch, transformer_config(cfg, d), resolve_spec(cfg.model.spec),
-                           seed=cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
+        model = build_clip(self.arch, transformer_config(plan, self.cfg.model, d), plan.spec,
+                           seed=self.cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
                            context_length=self.context_length,
-                           pad_to=(lambda b: token_padding(cfg, b)) if pad > 1 else None,
-                           init_logit_bias=bias,
-                           fused_norm=use_fused_norm(cfg, cfg.train.micro_batch_size * tokens))
+                           pad_to=plan.token_padding if plan.pads else None,
+                           init_logit_bias=bias, fused_norm=plan.fused_norm)
         v, t = self.arch.vision, self.arch.text
         n_text = sum(p.numel() for p in model.text.parameters()) - t.vocab_size * t.hidden_size
         self.flops_per_sample = (
@@ -125,7 +119,7 @@ class ContrastiveTask(Task):
     def describe(self, chunks, micro_batch):
         m = chunks[0]
         return (f"{self.cfg.model.name} ({self.loss_name} loss), spec "
-                f"{resolve_spec(self.cfg.model.spec)}, "
+                f"{self.plan.spec}, "
                 f"{sum(p.numel() for p in m.parameters())} params on this rank, "
                 f"{m.visual.seq_len} image tokens, {self.context_length} text positions, "
                 f"{self.flops_per_sample / 1e9:.2f} GFLOP/pair (train)")

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from vitgraph.convert.names import ConvertError
 from vitgraph.parallel.setup import Dist
 
 log = logging.getLogger("vitgraph")
@@ -393,6 +394,25 @@ def latest(ckpt_dir: Path) -> Path | None:
         if not verify(path, checksums=False):
             return path
     return None
+
+
+def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
+    """A run's step directory: the newest complete one, a step number, or a path.
+    ConvertError (the user's input, as for a weights file) when there is none."""
+    ckpts = Path(run_dir) / "checkpoints"
+    if checkpoint is None:
+        path = latest(ckpts) if ckpts.is_dir() else None
+        if path is None:
+            raise ConvertError(f"{run_dir}: no complete checkpoint under {ckpts}")
+        return path
+    s = str(checkpoint)
+    if s.isdigit():
+        path = ckpts / f"step_{int(s):06d}"
+    else:
+        path = Path(s)
+    if not path.is_dir() or path.name.endswith(".tmp"):
+        raise ConvertError(f"checkpoint {s!r}: no complete checkpoint directory {path}")
+    return path
 
 
 def load(path: Path, d: Dist, sharded_template: dict) -> dict:

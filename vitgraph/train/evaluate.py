@@ -1,45 +1,164 @@
-"""``vitgraph eval``: evaluate a run's checkpoint on its own, without touching the run.
+"""Held-out evaluation: the Trainer's during training, and ``vitgraph eval`` on its own.
 
-The model is built from the config as training builds it (any tp / pp layout), the
-checkpoint's model weights are loaded through megatron-core's dist_checkpointing (no optimizer
-state) and the held-out (or training) split is evaluated without augmentation. The result goes to ``<run_dir>/eval-<step>.json``
-(``eval-<step>-train.json`` for the training split): a new file, and nothing else in the run
-directory is written.
+``vitgraph eval`` builds the model as training builds it (any tp / pp layout; no optimizer,
+no data parallelism, no graphs), loads the checkpoint's model weights through megatron-core's
+dist_checkpointing and evaluates a split without augmentation. The result goes to a new file
+in the run directory, and nothing else there is written:
+
+* the run's own data: ``eval-<step>.json`` (``eval-<step>-train.json`` for the training split);
+  evaluating the same data again gives the same file;
+* other data (``data.kind`` / ``data.path`` / ... overridden): the file is named after it as
+  well, ``eval-<step>-<kind>-<folder>-<hash>[-train].json``, so an eval of one data set never
+  replaces the eval of another (as timm's validate writes one result per data set).
+
+Every file says which data it scored: ``data`` = {kind, path, split, images}.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
+from pathlib import Path
+
+import torch
+import yaml
 
 from vitgraph.config import Config
+from vitgraph.data import iterate_eval
+from vitgraph.data import EncodedImages
+from vitgraph.models.vit import unwrap
+from vitgraph.train.metrics import eval_line
 
 log = logging.getLogger("vitgraph")
 
+# the data fields that decide which images a split holds (the rest: how they are read)
+DATA_IDENTITY = ("kind", "path", "num_train", "num_val", "render_size", "num_classes",
+                 "captions", "seed")
+
+
+def split_padded(fields: tuple, k: int, multiple: int = 1, fill_label: int = -1) -> list:
+    """One eval batch (images, labels, ...) as ``k`` equal microbatches of a multiple of
+    ``multiple`` samples, filled up with copies of the first sample labelled ``fill_label``
+    (the task leaves them out)."""
+    labels = fields[1]
+    m = -(-len(labels) // k)
+    m = -(-m // multiple) * multiple
+    pad = m * k - len(labels)
+    def fill(i, f):
+        if isinstance(f, EncodedImages):  # data.decode=cuda: finished on the device
+            return f.padded(pad)
+        return torch.cat([f, f.new_full((pad,), fill_label) if i == 1
+                          else f[:1].expand(pad, *f.shape[1:])])
+    if pad:
+        fields = tuple(fill(i, f) for i, f in enumerate(fields))
+    return list(zip(*(f.split(m) for f in fields)))
+
+
+class Evaluator:
+    """The task's held-out metrics of a dataset, never augmented: forward-only through
+    megatron's schedule over this rank's ``wrapped`` chunks, reduced by the task."""
+
+    def __init__(self, task, wrapped: list, chunks: list, d, batch_size: int, fp8: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        self.task, self.wrapped, self.chunks, self.d = task, wrapped, chunks, d
+        self.batch_size = batch_size
+        self.forward_backward = get_forward_backward_func()
+        # the interleaved schedule needs at least pp microbatches; FP8 GEMMs a token count that
+        # is a multiple of 16: a model that does not pad its tokens gets filled-up batches
+        self.k = d.pp if d.vpp > 1 else 1
+        self.fill = 16 if fp8 and getattr(chunks[0], "pad_to", None) is None else 1
+
+    def _feed(self, microbatches: list, model):
+        first_stage = unwrap(model).pre_process
+        for fields in microbatches:
+            yield self.task.prepare(fields, None, self.d.device, first_stage)
+
+    def _step(self, data_iterator, model):
+        inputs = next(data_iterator)
+        output = self.task.forward(model, inputs)
+        return output, lambda out: (torch.zeros((), device=self.d.device),
+                                    self.task.eval_outputs(inputs, out))
+
+    @torch.no_grad()
+    def __call__(self, dataset) -> dict:
+        for w in self.wrapped:
+            w.eval()
+        outputs = []
+        for fields in iterate_eval(dataset, self.batch_size, self.d.dp_rank, self.d.dp):
+            mbs = split_padded(fields, self.k, self.fill, self.task.fill_label)
+            mb = len(mbs[0][1])
+            outputs += self.forward_backward(
+                forward_step_func=self._step,
+                data_iterator=[self._feed(mbs, w) for w in self.wrapped],
+                model=self.wrapped, num_microbatches=self.k,
+                seq_length=self.task.seq_length(self.chunks, mb), micro_batch_size=mb,
+                forward_only=True)
+        metrics = self.task.eval_metrics(outputs, self.chunks)
+        for w in self.wrapped:
+            w.train()
+        return metrics
+
+
+def eval_file_name(step: int, split: str, data: dict, own: bool) -> str:
+    """``eval-<step>[-train].json`` for the run's own data, else named after ``data`` too."""
+    suffix = "" if split == "val" else f"-{split}"
+    if own:
+        return f"eval-{step}{suffix}.json"
+    folder = Path(str(data.get("path") or "")).name or "generated"
+    folder = re.sub(r"[^A-Za-z0-9._-]+", "_", folder)
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    return f"eval-{step}-{data['kind']}-{folder}-{digest[:8]}{suffix}.json"
+
+
+def data_identity(data_cfg) -> dict:
+    return {k: getattr(data_cfg, k) for k in DATA_IDENTITY}
+
+
+def is_runs_own_data(cfg: Config) -> bool:
+    """Whether ``cfg.data`` names the images the run was trained on (its config.yaml)."""
+    saved = cfg.run_dir / "config.yaml"
+    if not saved.is_file():
+        return True
+    raw = (yaml.safe_load(saved.read_text()) or {}).get("data") or {}
+    ours = data_identity(cfg.data)
+    defaults = data_identity(type(cfg.data)())
+    return all(raw.get(k, defaults[k]) == v for k, v in ours.items())
+
 
 def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str = "val") -> dict:
-    from vitgraph.convert.run_weights import checkpoint_dir
-    from vitgraph.parallel.setup import shutdown
+    """``vitgraph eval``: the metrics of one checkpoint of ``cfg``'s run on ``split``, written
+    to the run directory (see the module's docstring); returns them with the file's path."""
+    from vitgraph.data import build_datasets
+    from vitgraph.parallel.setup import for_inference, init_distributed, shutdown
+    from vitgraph.plan import resolve_plan
+    from vitgraph.tasks import make_task
     from vitgraph.train import checkpoint as ckpt
-    from vitgraph.train.loop import Trainer, _eval_line
 
-    path = checkpoint_dir(cfg.run_dir, checkpoint)
-    trainer = Trainer(cfg, readonly=True)
+    path = ckpt.checkpoint_dir(cfg.run_dir, checkpoint)
+    d = init_distributed(cfg)
     try:
-        step = ckpt.load_model(path, trainer.chunks)
-        if trainer.graphs is not None:
-            trainer.graphs.reset()
-        dataset = trainer.train_set if split == "train" else trainer.val_set
+        plan = resolve_plan(cfg, d)
+        train_set, val_set = build_datasets(cfg.data, cfg.train.seed)
+        task = make_task(plan, cfg, d)
+        task.attach(train_set, val_set)
+        chunks = task.build_model()
+        wrapped = for_inference(chunks)
+        step = ckpt.load_model(path, chunks)
+        dataset = train_set if split == "train" else val_set
+        evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size, plan.fp8)
+        data = {**data_identity(cfg.data), "split": split, "images": len(dataset.labels)}
         result = {"step": step, "checkpoint": str(path), "split": split,
-                  **trainer.evaluate(dataset)}
-        if trainer.d.rank == 0:
-            name = f"eval-{step}.json" if split == "val" else f"eval-{step}-{split}.json"
-            out = cfg.run_dir / name
+                  "data": {k: data[k] for k in ("kind", "path", "split", "images")},
+                  **evaluator(dataset)}
+        if d.rank == 0:
+            out = cfg.run_dir / eval_file_name(step, split, data, is_runs_own_data(cfg))
             tmp = out.with_name(out.name + ".partial")
             tmp.write_text(json.dumps(result, indent=2) + "\n")
             tmp.replace(out)
             result["path"] = str(out)
-            log.info("eval of %s (%s): %s -> %s", path, split, _eval_line(result), out)
+            print(f"eval of {path} ({cfg.data.kind} {cfg.data.path or ''} {split}, "
+                  f"{data['images']} images): {eval_line(result)} -> {out}", flush=True)
         return result
     finally:
-        trainer.close(shutdown_dist=False)
         shutdown()

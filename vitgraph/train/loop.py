@@ -5,7 +5,6 @@ import json
 import logging
 import math
 import os
-import resource
 import sys
 import time
 import traceback
@@ -16,18 +15,20 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph import HARDWARE_QUEUES, hardware_queues
-from vitgraph.config import Config, parse_steps, save_config, validate_machine
-from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
+from vitgraph.config import Config, save_config, validate_machine
+from vitgraph.data import MicrobatchLoader, build_datasets
 from vitgraph.data.prefetch import Prefetcher
-from vitgraph.data import EncodedImages
-from vitgraph.graphs.step import StepGraphs
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed, parallelize,
-                                     shutdown, use_bf16)
+                                     shutdown)
+from vitgraph.plan import Plan, resolve_plan
 from vitgraph.tasks import make_task
-from vitgraph.tasks.base import reduce_stats
 from vitgraph.train import checkpoint
+from vitgraph.train.evaluate import Evaluator
+from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
+from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
+                                    graphs_line, train_line)
 from vitgraph.train.optim import build_optimizer, build_scheduler
 from vitgraph.train.preempt import Preempted, StopRequests
 from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
@@ -35,7 +36,7 @@ from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
 log = logging.getLogger("vitgraph")
 
 
-def _setup_logging(run_dir: Path, rank: int, to_file: bool = True) -> None:
+def _setup_logging(run_dir: Path, rank: int) -> None:
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
@@ -43,10 +44,7 @@ def _setup_logging(run_dir: Path, rank: int, to_file: bool = True) -> None:
         log.addHandler(logging.NullHandler())
         return
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    handlers = [logging.StreamHandler(sys.stdout)]
-    if to_file:
-        handlers.append(logging.FileHandler(run_dir / "train.log"))
-    for h in handlers:
+    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
         h.setFormatter(fmt)
         log.addHandler(h)
 
@@ -73,52 +71,40 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _eval_line(evals: dict) -> str:
-    """'top1 0.9705 | loss 0.1234 | ...': a task's eval metrics, top-1 first."""
-    keys = sorted((k for k in evals if k.startswith("eval_") and k != "eval_images"),
-                  key=lambda k: (k != "eval_top1", k != "eval_loss", k))
-    return " | ".join(f"{k[5:]} {evals[k]:.4f}" for k in keys)
-
-
 class TrainingFailed(RuntimeError):
     """A failure during training, summarised on one line; the traceback is in train.log."""
 
 
-def _split_padded(fields: tuple, k: int, multiple: int = 1, fill_label: int = -1) -> list:
-    """One eval batch (images, labels, ...) as ``k`` equal microbatches of a multiple of
-    ``multiple`` samples, filled up with copies of the first sample labelled ``fill_label``
-    (the task leaves them out)."""
-    labels = fields[1]
-    m = -(-len(labels) // k)
-    m = -(-m // multiple) * multiple
-    pad = m * k - len(labels)
-    def fill(i, f):
-        if isinstance(f, EncodedImages):  # data.decode=cuda: finished on the device
-            return f.padded(pad)
-        return torch.cat([f, f.new_full((pad,), fill_label) if i == 1
-                          else f[:1].expand(pad, *f.shape[1:])])
-    if pad:
-        fields = tuple(fill(i, f) for i, f in enumerate(fields))
-    return list(zip(*(f.split(m) for f in fields)))
-
-
 class Trainer:
-    _fault = None  # test-only fault injection (train.inject_nan_steps): a device scalar
-    _saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
-    stops: StopRequests | None = None
+    """One run's training on this rank: built from ``cfg`` (process groups, task, data, model,
+    optimizer), then ``run()``. ``stops``: the run's stop requests (train() installs them
+    before start-up, so a signal during it is not lost); None: installed by ``run``."""
 
-    def __init__(self, cfg: Config, readonly: bool = False):
-        """``readonly`` (``vitgraph eval``): write nothing into the run directory (no config,
-        train.log or TensorBoard files); log to stdout only."""
-        self.cfg = cfg
+    def __init__(self, cfg: Config, stops: StopRequests | None = None):
+        self.cfg, self.stops = cfg, stops
         self.d: Dist = init_distributed(cfg)
-        d = self.d
+        self.plan: Plan = resolve_plan(cfg, self.d)
         self.run_dir = cfg.run_dir
-        if d.rank == 0 and not readonly:
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self._start_run_dir()
+        self._build_data_and_task()
+        self._build_model()
+        self.schedule = Schedule(self.total_steps, cfg.train.log_every, cfg.train.eval_every,
+                                 cfg.checkpoint.every)
+        self.records = RecordLog(self.run_dir, self.d.rank == 0, cfg.train.tensorboard)
+        self.step = 0
+        self._saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
+        if self.d.cuda:
+            from vitgraph.graphs.cudnn import warn_if_fallback
+            warn_if_fallback(log)
+
+    def _start_run_dir(self) -> None:
+        cfg, d = self.cfg, self.d
+        if d.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         dist.barrier()
-        _setup_logging(self.run_dir, d.rank, to_file=not readonly)
+        _setup_logging(self.run_dir, d.rank)
         queues = hardware_queues()
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  f"{torch.cuda.get_device_name()}, {queues} hardware queues "
@@ -128,77 +114,57 @@ class Trainer:
                         "queues slow training from shards (H200, ViT-B/16: 0.86x the synthetic "
                         "rate with 8, 0.95x with 32); unset it for vitgraph's %d",
                         queues, HARDWARE_QUEUES)
+        log.info("augmentation: %s", augment_line(cfg.data.augment,
+                                                  self.plan.task == "classification"))
 
-        # what is trained: the model, its batches and its loss (vitgraph.tasks)
-        self.task = make_task(cfg, d)
+    def _build_data_and_task(self) -> None:
+        """The datasets, this rank's loader, the run's length, and the task (vitgraph.tasks:
+        the model, its batches and its loss) with the datasets attached."""
+        cfg, d, t = self.cfg, self.d, self.cfg.train
         t0 = time.time()
-        self.train_set, self.val_set = build_datasets(cfg.data, cfg.train.seed)
+        self.train_set, self.val_set = build_datasets(cfg.data, t.seed)
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
+        self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size, self.num_microbatches,
+                                       d.dp_rank, d.dp, t.seed)
+        self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
+        self.task = make_task(self.plan, cfg, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
 
-        # this rank's model chunks: one per virtual pipeline stage (parallel.vpp)
+    def _build_model(self) -> None:
+        """This rank's model chunks (one per virtual pipeline stage), wrapped for precision,
+        data parallelism and graphs; the optimizer, its LR schedule and megatron's hooks."""
+        cfg, d, t, plan = self.cfg, self.d, self.cfg.train, self.plan
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
-        if cfg.model.init_from and not readonly:
+        if cfg.model.init_from:
             from vitgraph.convert import init_from
             for chunk in self.chunks:
                 init_from(chunk, cfg.model.init_from, cfg.model.init_format)
-        self.wrapped, self.graphs = parallelize(self.chunks, cfg, d)
-        self.bf16 = use_bf16(cfg, d)
-        self.optimizer = build_optimizer(self.wrapped, cfg, d.cuda, d.graphs.config)
-
-        t = cfg.train
-        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
-        self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size, self.num_microbatches,
-                                       d.dp_rank, d.dp, t.seed)
+        self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, d)
+        self.optimizer = build_optimizer(self.wrapped, plan, cfg.optim,
+                                         cfg.parallel.distributed_optimizer)
         if cfg.data.prefetch:
             self.loader = Prefetcher(self.loader, d.device)
-        self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
-        self.task.total_steps = self.total_steps  # for schedules of the task's own
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
         log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
-                 self._precision_name())
+                 plan.precision_name)
+        log.info("graphs: %s", plan.graphs)
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
-
-        mc = self.model.config
         if d.cuda:
-            # as Megatron-LM wires its DDP chunks into the schedules: per-chunk no_sync /
-            # grad_sync (gradient reduction overlapped with the backward pass), finalize
-            from megatron.core.distributed import finalize_model_grads
-
-            def per_chunk(fns):
-                return fns if len(fns) > 1 else fns[0]
-
-            mc.finalize_model_grads_func = finalize_model_grads
-            mc.no_sync_func = per_chunk([w.no_sync for w in self.wrapped])
-            if cfg.parallel.overlap_grad_reduce:
-                mc.grad_sync_func = per_chunk([w.start_grad_sync for w in self.wrapped])
-            if cfg.parallel.overlap_param_gather and cfg.parallel.distributed_optimizer:
-                mc.param_sync_func = per_chunk([w.start_param_sync for w in self.wrapped])
-            mc.grad_scale_func = self.optimizer.scale_loss
+            _wire_ddp(self.model.config, self.wrapped, self.optimizer, cfg.parallel)
         self.forward_backward = get_forward_backward_func()
-        self.ckpt_dir = self.run_dir / "checkpoints"
-        self.step = 0
-        self.writer = None
-        if d.rank == 0 and t.tensorboard and not readonly:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-        log.info("graphs: %s (%s)", d.graphs.name, d.graphs.reason)
-        if d.cuda:
-            from vitgraph.graphs.cudnn import warn_if_fallback
-            warn_if_fallback(log)
+        self.evaluator = Evaluator(self.task, self.wrapped, self.chunks, d,
+                                   t.eval_batch_size, plan.fp8)
+        # graphs.scope=step captures the whole step; every other path runs it eagerly
+        self.train_step = self._graphed_step if plan.graphs.scope == "step" else self._eager_step
 
     # ------------------------------------------------------------------ steps
-
-    def _precision_name(self) -> str:
-        if self.cfg.train.precision == "fp8":
-            return f"fp8 ({self.cfg.train.fp8_recipe} scaling) + bf16"
-        return "bf16" if self.bf16 else "fp32"
 
     def _prepare(self, raw: tuple, key, model=None) -> tuple:
         """One microbatch as the model takes it, on the device (the task's ``prepare``).
@@ -221,41 +187,35 @@ class Trainer:
 
         def loss_func(out):
             loss, stats = self.task.loss(inputs, out)
-            if self._fault is not None:  # train.inject_nan_steps: 1, or NaN at a chosen step
-                loss = loss * self._fault
-                stats = stats * self._fault
             return loss, {"stats": stats}
 
         return output, loss_func
 
-    def _eval_step(self, data_iterator, model):
-        inputs = next(data_iterator)
-        output = self.task.forward(model, inputs)
-        return output, lambda out: (torch.zeros((), device=self.d.device),
-                                    self.task.eval_outputs(inputs, out))
-
-    def train_step(self, batches, between=None) -> tuple[torch.Tensor, object, object]:
+    def _eager_step(self, batches, between=None) -> StepResult:
         """One optimizer step over ``batches`` (this rank's microbatches): zero grads, the
-        schedule's forward and backward, optimizer and LR schedule. Returns ([loss*n, correct, n]
-        summed over microbatches, grad norm, whether the step was applied); the last two are
-        device tensors with graphs.scope=step (nothing is read on the host then).
-        ``between``: called once the step's kernels are queued, before the host waits for
-        them (the loop puts the next step's data on the device there)."""
-        keys = [(self.step, i) for i in range(len(batches))]
-        if isinstance(self.graphs, StepGraphs):
-            self.optimizer.load_lr()
-            inputs = [self._prepare(fields, k) for fields, k in zip(batches, keys)]
-            stats, grad_norm, ok = self.graphs.run(inputs, self._step_body)
-            if between is not None:
-                between()
-            self.scheduler.step(increment=1)  # a skipped step is only known on the device
-            return stats, grad_norm, ok
-        # eager: each microbatch is prepared when the schedule asks for it
-        data = list(zip(batches, keys))
+        schedule's forward and backward, optimizer and LR schedule; each microbatch is
+        prepared when the schedule asks for it. ``between``: called once the step's kernels
+        are queued, before the host waits for them (the loop puts the next step's data on
+        the device there)."""
+        data = [(fields, (self.step, i)) for i, fields in enumerate(batches)]
         stats, grad_norm, ok = self._step_body(data, lazy=True, between=between)
         if ok:
             self.scheduler.step(increment=1)
-        return stats, float(grad_norm or 0.0), ok
+        device = self.d.device
+        return StepResult(stats, torch.tensor(float(grad_norm or 0.0), dtype=torch.float64,
+                                              device=device),
+                          torch.tensor(bool(ok), device=device), ok_on_host=bool(ok))
+
+    def _graphed_step(self, batches, between=None) -> StepResult:
+        """The same step replayed as one CUDA graph (graphs.scope=step): every microbatch is
+        prepared into the graph's inputs first; nothing is read on the host."""
+        self.optimizer.load_lr()
+        inputs = [self._prepare(fields, (self.step, i)) for i, fields in enumerate(batches)]
+        stats, grad_norm, ok = self.graphs.run(inputs, self._step_body)
+        if between is not None:
+            between()
+        self.scheduler.step(increment=1)  # a skipped step is only known on the device
+        return StepResult(stats, grad_norm, ok)
 
     def _step_body(self, data: list, lazy: bool = False, between=None) -> list:
         """What graphs.scope=step captures: [stats, grad norm, ok] from prepared microbatches
@@ -281,32 +241,9 @@ class Trainer:
         return [stats, torch.as_tensor(grad_norm, dtype=torch.float32, device=self.d.device),
                 torch.as_tensor(ok, device=self.d.device)]
 
-    @torch.no_grad()
     def evaluate(self, dataset=None) -> dict:
-        """The task's held-out metrics on ``dataset`` (default the held-out split), never
-        augmented: forward-only through the schedule, reduced by the task."""
-        for w in self.wrapped:
-            w.eval()
-        outputs = []
-        # the interleaved schedule needs at least pp microbatches; FP8 GEMMs a token count that
-        # is a multiple of 16: a model that does not pad its tokens gets filled-up batches
-        k = self.d.pp if self.d.vpp > 1 else 1
-        fill = 16 if self.cfg.train.precision == "fp8" and \
-            getattr(self.model, "pad_to", None) is None else 1
-        for fields in iterate_eval(dataset or self.val_set, self.cfg.train.eval_batch_size,
-                                   self.d.dp_rank, self.d.dp):
-            mbs = _split_padded(fields, k, fill, self.task.fill_label)
-            mb = len(mbs[0][1])
-            outputs += self.forward_backward(
-                forward_step_func=self._eval_step,
-                data_iterator=[self._feed([(f, None) for f in mbs], w) for w in self.wrapped],
-                model=self.wrapped, num_microbatches=k,
-                seq_length=self.task.seq_length(self.chunks, mb), micro_batch_size=mb,
-                forward_only=True)
-        metrics = self.task.eval_metrics(outputs, self.chunks)
-        for w in self.wrapped:
-            w.train()
-        return metrics
+        """The task's held-out metrics on ``dataset`` (default the held-out split)."""
+        return self.evaluator(dataset or self.val_set)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -341,127 +278,85 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         self.step = self._saved_step = state["step"]
-        if self.graphs is not None:
-            self.graphs.reset()  # parameters were overwritten: capture again
+        self.graphs.reset()  # parameters were overwritten: capture again
         log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------ the loop
 
-    def _log(self, record: dict) -> None:
-        if self.d.rank != 0:
-            return
-        with open(self.run_dir / "log.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.writer.add_scalar(k, v, record["step"])
-
-    def _peak_mem_gib(self) -> float:
-        if self.d.cuda:
-            return torch.cuda.max_memory_allocated() / 2**30
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-
     def run(self) -> dict:
-        cfg, d = self.cfg, self.d
+        """Train to the last step (resuming first), then evaluate, save and write
+        metrics.json; its contents are returned."""
+        t = self.cfg.train
         self.maybe_resume()
-        t = cfg.train
         if self.stops is None:
-            self.stops = StopRequests(collective_timeout(cfg)).install()
+            self.stops = StopRequests(collective_timeout(self.cfg)).install()
         health = StepHealth(t.max_bad_steps)
-        nan_steps = parse_steps(t.inject_nan_steps)
-        if nan_steps:
-            self._fault = torch.ones((), device=d.device)
-        progress = Progress(self.total_steps, self.step, t.progress and d.rank == 0)
-        window = torch.zeros(3, device=d.device)
-        window_steps, window_norm, window_good = 0, 0.0, 0
-        t_window = t_start = time.time()
-        record, nan = {}, float("nan")
+        window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
+                               self.flops_per_sample, t.peak_flops if self.d.cuda else None)
+        progress = Progress(self.total_steps, self.step, t.progress and self.d.rank == 0)
+        t_start, first_step, record = time.time(), self.step, {}
         while self.step < self.total_steps:
-            if self.graphs is not None:
-                self.graphs.step_begin(self.step)
-            if self._fault is not None:
-                self._fault.fill_(nan if self.step + 1 in nan_steps else 1.0)
-            stats, grad_norm, ok = self.train_step(self.loader.next_step(),
-                                                   getattr(self.loader, "stage_next", None))
+            self.graphs.step_begin(self.step)
+            result = self.train_step(self.loader.next_step(),
+                                     getattr(self.loader, "stage_next", None))
             self.step += 1
-            window_steps += 1
-            health.update(ok)
-            if torch.is_tensor(ok):  # a skipped step's NaN stays out of the logged means
-                window += torch.where(ok, stats, torch.zeros_like(stats))
-                window_norm = window_norm + torch.where(ok, torch.as_tensor(grad_norm), 0.0)
-                window_good = window_good + ok.long()
-            elif ok:
-                window += stats
-                window_norm += grad_norm
-                window_good += 1
+            health.update(result.outcome)
+            window.add(result)
             if health.on_host():  # known without a sync: stop at once
                 health.check(self.step)
-            last = self.step == self.total_steps
-            if self.step % t.log_every == 0 or last:
-                loss_sum, correct, n = reduce_stats(window, d).tolist()
-                window_norm, window_good = float(window_norm), int(window_good)
-                if d.cuda:
-                    torch.cuda.synchronize()
-                dt = time.time() - t_window
-                ips = window_steps * t.global_batch_size / dt
-                tflops = ips * self.flops_per_sample / d.world / 1e12  # per GPU
-                record = {"step": self.step, "epoch": self.loader.epoch,
-                          # None when every step of the window was skipped
-                          "loss": loss_sum / n if n else None,
-                          "train_top1": correct / n if n else None,
-                          "lr": self.optimizer.param_groups[0]["lr"],
-                          "grad_norm": window_norm / window_good if window_good else None,
-                          "images_per_s": ips,
-                          "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / t.peak_flops,
-                          "peak_mem_gib": self._peak_mem_gib(),
-                          "skipped_steps": health.read()[0]}
-                if self.graphs is not None:
-                    record.update({f"graphs_{k}": v for k, v in self.graphs.stats().items()
-                                   if isinstance(v, (int, float))})
-                self._log(record)
-                log.info("step %d/%d | loss %.4f | top1 %.3f | lr %.2e | grad %.3f | %.1f img/s "
-                         "| %.2f TFLOP/s/gpu | MFU %.1f%% | mem %.2f GiB%s%s", self.step,
-                         self.total_steps, *(nan if v is None else v for v in (
-                             record["loss"], record["train_top1"], record["lr"],
-                             record["grad_norm"])), ips, tflops, 100 * record["mfu"],
-                         record["peak_mem_gib"], self._graph_summary(),
-                         f" | skipped {record['skipped_steps']} non-finite steps"
-                         if record["skipped_steps"] else "")
-                health.check(self.step)
-                window.zero_()
-                window_steps, window_norm, window_good = 0, 0.0, 0
-                t_window = time.time()
+            due = self.schedule.after(self.step)
+            if due.log:
+                eta = (time.time() - t_start) / (self.step - first_step) \
+                    * (self.total_steps - self.step)
+                record = self._log_window(window, health, eta)
             progress.update(self.step)
-            if not last and self.stops.poll():
+            if due.stop_check and self.stops.poll():
                 self._stop_preempted()
-            if (t.eval_every and self.step % t.eval_every == 0) and not last:
-                evals = self.evaluate()
-                self._log({"step": self.step, **evals})
-                log.info("eval step %d | %s", self.step, _eval_line(evals))
-                t_window = time.time()  # eval time stays out of img/s
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and not last:
+            if due.eval:
+                self._evaluate_and_log()
+                window.restart_clock()
+            if due.checkpoint:
                 health.check(self.step)  # a run of bad steps at the limit stops unsaved
                 self.save()
-                t_window = time.time()
+                window.restart_clock()
         progress.close()
         health.check(self.step)
-        wall = time.time() - t_start
+        return self._finish(record, time.time() - t_start)
+
+    def _log_window(self, window: MetricsWindow, health: StepHealth, eta_s: float) -> dict:
+        graphs = self.graphs.stats()
+        record = window.close(self.step, epoch=self.loader.epoch,
+                              lr=self.optimizer.param_groups[0]["lr"],
+                              skipped_steps=health.read()[0],
+                              **{f"graphs_{k}": v for k, v in graphs.items()
+                                 if isinstance(v, (int, float))})
+        self.records.write(record)
+        log.info("%s", train_line(record, self.total_steps, eta_s, graphs_line(graphs)))
+        health.check(self.step)
+        return record
+
+    def _evaluate_and_log(self) -> dict:
         evals = self.evaluate()
-        self._log({"step": self.step, **evals})
-        log.info("eval step %d | %s", self.step, _eval_line(evals))
+        self.records.write({"step": self.step, **evals})
+        log.info("eval step %d | %s", self.step, eval_line(evals))
+        return evals
+
+    def _finish(self, record: dict, wall: float) -> dict:
+        """The end of the run: the last evaluation, the last checkpoint, metrics.json."""
+        evals = self._evaluate_and_log()
         if self.step > self._saved_step:
             self.save()
-        record = record or self._last_train_record()  # finishing a run stopped after its save
+        record = record or self.records.last_train_record()  # a run stopped after its save
         metrics = {"step": self.step, **evals,
                    **{k: record[k] for k in ("loss", "train_top1", "images_per_s", "mfu",
                                              "peak_mem_gib", "skipped_steps") if k in record},
-                   "wall_s_this_process": wall, "model": cfg.model.name,
+                   "wall_s_this_process": wall, "model": self.cfg.model.name,
                    "run_dir": str(self.run_dir), "total_steps": self.total_steps,
                    "steps_per_epoch": self.loader.steps_per_epoch}
-        if self.graphs is not None:
-            metrics["graphs"] = self.graphs.stats()
-        if d.rank == 0:
+        graphs = self.graphs.stats()
+        if graphs:
+            metrics["graphs"] = graphs
+        if self.d.rank == 0:
             path = self.run_dir / "metrics.json"
             tmp = path.with_name("metrics.json.partial")
             tmp.write_text(json.dumps(metrics, indent=2) + "\n")
@@ -480,33 +375,34 @@ class Trainer:
                         f"{self.ckpt_dir / f'step_{self._saved_step:06d}'} saved; run the same "
                         f"command to resume")
 
-    def _last_train_record(self) -> dict:
-        path = self.run_dir / "log.jsonl"
-        if self.d.rank != 0 or not path.is_file():
-            return {}
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return next((r for r in reversed(records) if "loss" in r), {})
-
-    def _graph_summary(self) -> str:
-        if self.graphs is None:
-            return ""
-        s = self.graphs.stats()
-        fallbacks = sum(s["eager_fallbacks"].values())
-        return (f" | graphs {s['graphs']} (capture {s['capture_time_s']:.2f}s, pool "
-                f"{s['pool_bytes'] / 2**20:.0f} MiB, replays {s['replays']}, eager calls "
-                f"{fallbacks}, unseen shapes {s['unseen_shapes']})")
-
     def close(self, shutdown_dist: bool = True, failed: bool = False):
         if self.stops is not None:
             self.stops.close(wait=not failed)
         if isinstance(getattr(self, "loader", None), Prefetcher):
             self.loader.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.graphs is not None:
+        if getattr(self, "records", None) is not None:
+            self.records.close()
+        if getattr(self, "graphs", None) is not None:
             self.graphs.restore()
         if shutdown_dist:
             shutdown(failed)
+
+
+def _wire_ddp(mc, wrapped: list, optimizer, p) -> None:
+    """As Megatron-LM wires its DDP chunks into the schedules (GPU): per-chunk no_sync /
+    grad_sync (gradient reduction overlapped with the backward pass), finalize."""
+    from megatron.core.distributed import finalize_model_grads
+
+    def per_chunk(fns):
+        return fns if len(fns) > 1 else fns[0]
+
+    mc.finalize_model_grads_func = finalize_model_grads
+    mc.no_sync_func = per_chunk([w.no_sync for w in wrapped])
+    if p.overlap_grad_reduce:
+        mc.grad_sync_func = per_chunk([w.start_grad_sync for w in wrapped])
+    if p.overlap_param_gather and p.distributed_optimizer:
+        mc.param_sync_func = per_chunk([w.start_param_sync for w in wrapped])
+    mc.grad_scale_func = optimizer.scale_loss
 
 
 def train(cfg: Config) -> dict:
@@ -523,8 +419,7 @@ def train(cfg: Config) -> dict:
     trainer, failed = None, False
     stops = StopRequests(collective_timeout(cfg)).install()
     try:
-        trainer = Trainer(cfg)
-        trainer.stops = stops
+        trainer = Trainer(cfg, stops)
         for key, old, new in changes:
             log.info("resuming with a changed setting: %s %r -> %r", key, old, new)
         return trainer.run()

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from vitgraph.config import Config
+from vitgraph.config import OptimConfig
 from vitgraph.parallel import cpu_shims
 
 
@@ -23,8 +23,7 @@ class CpuOptimizer:
     group, clips by the global norm (over the model-parallel group), steps.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], cfg: Config):
-        o = cfg.optim
+    def __init__(self, chunks: list[torch.nn.Module], o: OptimConfig):
         named = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         decay = [p for n, p in named if not _no_decay(n, p)]
@@ -298,14 +297,14 @@ def _copy_weights_in_one_kernel(optimizer) -> None:
             part._copy_main_params_to_model_params = lambda part=part: float16_copy(part)
 
 
-def build_optimizer(chunks: list, cfg: Config, cuda: bool, graphs=None):
-    """``chunks``: this rank's (wrapped) model chunks. With graphs.scope=step on GPU the
-    megatron optimizer's ``step`` is replaced by a ``SyncFreeStep`` (its ``load_lr`` is
-    called before every step). ``graphs``: the resolved graphs section (default cfg.graphs)."""
-    o = cfg.optim
-    graphs = graphs or cfg.graphs
-    if not cuda:
-        return CpuOptimizer(chunks, cfg)
+def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
+    """``chunks``: this rank's (wrapped) model chunks; ``plan`` (vitgraph.plan.Plan): the
+    device and the graph path; ``o``: the ``optim:`` section; ``distributed``: megatron's
+    distributed optimizer (parallel.distributed_optimizer). With graphs.scope=step on GPU
+    the megatron optimizer's ``step`` is replaced by a ``SyncFreeStep`` (its ``load_lr`` is
+    called before every step)."""
+    if not plan.cuda:
+        return CpuOptimizer(chunks, o)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
     from megatron.core.optimizer_param_scheduler import ParamGroupOverride
@@ -314,14 +313,14 @@ def build_optimizer(chunks: list, cfg: Config, cuda: bool, graphs=None):
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
         bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=cfg.parallel.distributed_optimizer)
+        use_distributed_optimizer=distributed)
     # the same no-decay set as the CPU path (megatron's default decays pos_embed / tokens)
     no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
         name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))
     optimizer = get_megatron_optimizer(
         ocfg, chunks, config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
     _copy_weights_in_one_kernel(optimizer)
-    if graphs.enabled is True and graphs.scope == "step":
+    if plan.graphs.scope == "step":
         sync_free = SyncFreeStep(optimizer, o.clip_grad)
         optimizer.step, optimizer.load_lr = sync_free.step, sync_free.load_lr
         return optimizer
@@ -330,8 +329,7 @@ def build_optimizer(chunks: list, cfg: Config, cuda: bool, graphs=None):
     return skip_nonfinite_steps(optimizer)
 
 
-def build_scheduler(optimizer, cfg: Config, total_steps: int) -> OptimizerParamScheduler:
-    o = cfg.optim
+def build_scheduler(optimizer, o: OptimConfig, total_steps: int) -> OptimizerParamScheduler:
     warmup = o.warmup_steps if o.warmup_steps is not None else int(o.warmup_fraction * total_steps)
     warmup = min(warmup, max(total_steps - 1, 0))
     return OptimizerParamScheduler(

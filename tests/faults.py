@@ -1,0 +1,56 @@
+"""Numerical faults for the reliability tests: a wrapper around the tasks' loss that makes the
+loss of chosen training steps NaN, installed by the test (the trainer knows nothing of it).
+
+The factor is a device scalar that ``prepare`` fills on the host before each step's kernels
+are queued (NaN for a chosen step, else 1); ``loss`` multiplies by it, so a step captured
+whole in a CUDA graph reads the new value at every replay. Eval batches (key None) get 1.
+
+    with nan_loss_at("4-5"):        # in this process
+        main(["train", ...])
+    python tests/faults.py 4-5 train CONFIG key=value ...   # as a command
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from vitgraph.config import parse_steps
+from vitgraph.tasks.classification import ClassificationTask
+from vitgraph.tasks.contrastive import ContrastiveTask
+
+
+@contextlib.contextmanager
+def nan_loss_at(steps: str):
+    """Training steps ``steps`` (1-based, '4-5' or '5,7') have a NaN loss while inside."""
+    nan_steps = parse_steps(steps)
+    saved = [(cls, cls.prepare, cls.loss) for cls in (ClassificationTask, ContrastiveTask)]
+    factors: dict = {}  # device -> the scalar
+
+    def wrap(cls, prepare, loss):
+        def faulty_prepare(self, raw, key, device, first_stage):
+            f = factors.setdefault(str(device), torch.ones((), device=device))
+            f.fill_(float("nan") if key is not None and key[0] + 1 in nan_steps else 1.0)
+            return prepare(self, raw, key, device, first_stage)
+
+        def faulty_loss(self, inputs, output):
+            value, stats = loss(self, inputs, output)
+            f = factors.get(str(value.device))
+            return (value, stats) if f is None else (value * f, stats * f)
+
+        cls.prepare, cls.loss = faulty_prepare, faulty_loss
+
+    for cls, prepare, loss in saved:
+        wrap(cls, prepare, loss)
+    try:
+        yield
+    finally:
+        for cls, prepare, loss in saved:
+            cls.prepare, cls.loss = prepare, loss
+
+
+if __name__ == "__main__":
+    from vitgraph.cli import main
+    with nan_loss_at(sys.argv[1]):
+        raise SystemExit(main(sys.argv[2:]))

@@ -1,0 +1,104 @@
+"""This rank's model, built from a resolved plan (vitgraph.plan.Plan: architecture, layer
+spec, precision, token padding, fused norms) and the ``model:`` section.
+
+One ``ViT`` per virtual pipeline stage (one without interleaving); tensor-, sequence- and
+pipeline-parallel layers come from megatron-core, and the weights are drawn
+layout-independently (vitgraph.models.init). Precision, data parallelism and graphs are
+applied afterwards, from outside (vitgraph.parallel.setup.parallelize).
+
+``d`` below is the rank's place in the process groups (vitgraph.parallel.setup.Dist): tp,
+pp, vpp, its ranks and device. Nothing here reads the raw config or the environment.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from vitgraph.models.init import init_weights
+from vitgraph.models.specs import get_layer_spec
+from vitgraph.models.vit import ViT
+
+# model.fused_norm=auto: the fused residual add + LayerNorm from this many tokens in a training
+# micro-batch. ViT-L/16 step graphs on an H200: at mb 256 (50,432 tokens) 1,276.8 img/s fused
+# against 1,259.7; at mb 8 (1,576) 550.7 against 572.4 (the fused kernels' fixed costs:
+# partial-sum reductions, small launches). A straight line through the two puts the crossing
+# near 11,000 tokens; nothing between them was measured.
+FUSED_NORM_MIN_TOKENS = 16384
+
+FP8_RECIPES = {"current": "tensorwise", "delayed": "delayed", "mxfp8": "mxfp8"}
+
+
+def use_fused_norm(setting: str, fp8: bool, tokens: int) -> bool:
+    """ResidualNormLayer (vitgraph.models.specs) for a run: model.fused_norm ``setting``
+    (auto | always | never) and a training micro-batch's ``tokens`` (micro-batch x sequence
+    length) in the encoder it is for. Never with FP8, whose TE layers normalise themselves."""
+    if fp8 or setting == "never":
+        return False
+    return setting == "always" or tokens >= FUSED_NORM_MIN_TOKENS
+
+
+def token_multiple(sequence_parallel_tp: int, fp8: bool, micro_batch_size: int) -> int:
+    """Pad the token sequence to a multiple of this (1: no padding).
+
+    Sequence parallel splits the tokens over the ``sequence_parallel_tp`` ranks; FP8 GEMMs
+    need the token count (sequence x micro-batch) to be a multiple of 16. Padded tokens are
+    masked out of attention and dropped before the head (vitgraph.models.vit).
+    """
+    multiple = sequence_parallel_tp
+    if fp8:
+        f = 16 // math.gcd(16, micro_batch_size)
+        multiple = multiple * f // math.gcd(multiple, f)
+    return multiple
+
+
+def transformer_config(plan, model_cfg, d) -> TransformerConfig:
+    """megatron-core's TransformerConfig of the plan's (image) encoder on this rank."""
+    arch, bf16 = plan.arch, plan.bf16
+    fp8 = plan.fp8_recipe
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads, ffn_hidden_size=arch.ffn_hidden_size,
+        hidden_dropout=model_cfg.hidden_dropout, attention_dropout=model_cfg.attention_dropout,
+        layernorm_epsilon=model_cfg.layernorm_epsilon, add_bias_linear=True,
+        activation_func=torch.nn.functional.gelu, gated_linear_unit=False,
+        normalization="LayerNorm", init_method_std=model_cfg.init_std,
+        tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
+        virtual_pipeline_model_parallel_size=d.vpp if d.vpp > 1 else None,
+        sequence_parallel=plan.sequence_parallel, bf16=bf16,
+        params_dtype=plan.dtype, pipeline_dtype=plan.dtype,
+        # vitgraph.models.init draws the weights again, layout-independently; the layers'
+        # own initialisation stays on because it also tags tensor-parallel parameters
+        # (partition_dim, used by init, grad clipping and checkpoints)
+        use_cpu_initialization=not d.cuda, perform_initialization=True,
+        fp8="hybrid" if fp8 else None, fp8_recipe=FP8_RECIPES[fp8] if fp8 else "delayed",
+        fp8_amax_history_len=1024 if fp8 == "delayed" else 1,
+        fp8_amax_compute_algo="max",
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion and d.cuda
+        and plan.spec == "te",
+        **plan.p2p,
+    )
+
+
+def build_model(plan, model_cfg, d, num_classes: int, seed: int) -> list[ViT]:
+    """This rank's classifier chunks: one per virtual pipeline stage (a list of one without).
+    ``num_classes``: the head's (model.num_classes, when set, wins); ``seed``: the weights'."""
+    config = transformer_config(plan, model_cfg, d)
+    # the padding mask costs a little in attention: only layers that may see padding get it
+    # (eval batches of other sizes are filled up instead: vitgraph.train.evaluate)
+    layer_spec = get_layer_spec(plan.spec, padding_mask=plan.pads, fused_norm=plan.fused_norm)
+    chunks = []
+    for vp in range(d.vpp):
+        first = d.is_first_stage and vp == 0
+        last = d.is_last_stage and vp == d.vpp - 1
+        chunk = ViT(config, layer_spec, plan.arch, model_cfg.num_classes or num_classes,
+                    num_registers=model_cfg.num_registers, class_token=model_cfg.class_token,
+                    pool=model_cfg.pool, pre_process=first, post_process=last,
+                    vp_stage=vp if d.vpp > 1 else None,
+                    pad_to=plan.token_padding if plan.pads else None)
+        init_weights(chunk, seed, tp_rank=d.tp_rank, tp_size=d.tp)
+        chunks.append(chunk)
+    return chunks

@@ -1,0 +1,98 @@
+"""The run's config resolved once, after the process groups exist: what every builder (model,
+tasks, parallelize, optimizer, graphs, the loop) reads instead of re-interpreting the config.
+
+It lives here, above ``config``, ``models`` and ``parallel``, because it is made from all
+three (the config's sections, the registry's architectures, the process groups' sizes) and
+holds more than the model (the graph path, the data-parallel size); ``vitgraph.models`` stays
+below the config (config.py validates through the registry) and knows the plan only by the
+fields it reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vitgraph.config import Config, ConfigError, task_kind
+from vitgraph.graphs.auto import GraphPath
+from vitgraph.models.build import token_multiple, use_fused_norm
+from vitgraph.models.registry import CLIPArch, ViTArch, resolve_arch, resolve_clip_arch
+from vitgraph.models.specs import resolve_spec
+from vitgraph.models.vit import sequence_length
+from vitgraph.parallel.setup import Dist, p2p_mode
+
+
+@dataclass(frozen=True)
+class Plan:
+    task: str  # classification | contrastive
+    arch: ViTArch  # the image encoder (an image-text pair's image tower)
+    pair: CLIPArch | None  # the image-text pair of a contrastive run, else None
+    spec: str  # the layers: te | torch
+    bf16: bool  # bf16 weights and activations (FP8 runs keep bf16 outside TE's FP8 GEMMs)
+    fp8_recipe: str | None  # current | delayed | mxfp8; None: no FP8
+    micro_batch_size: int
+    sequence_parallel: bool
+    sequence_parallel_tp: int  # the tp ranks the tokens are split over (1 without)
+    fused_norm: bool  # ResidualNormLayer in the encoder layers
+    graphs: GraphPath
+    dp: int  # data-parallel size, from the process groups
+    cuda: bool
+    p2p: dict = field(default_factory=dict)  # megatron's p2p settings (parallel.setup.p2p_mode)
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_recipe is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    def token_padding(self, micro_batch_size: int) -> int:
+        """The multiple a micro-batch of this size pads its token sequence to (1: none)."""
+        return token_multiple(self.sequence_parallel_tp, self.fp8, micro_batch_size)
+
+    @property
+    def pads(self) -> bool:
+        """Whether training micro-batches pad their tokens (their layers get a padding mask)."""
+        return self.token_padding(self.micro_batch_size) > 1
+
+    @property
+    def precision_name(self) -> str:
+        if self.fp8:
+            return f"fp8 ({self.fp8_recipe} scaling) + bf16"
+        return "bf16" if self.bf16 else "fp32"
+
+
+def choose_graphs(cfg: Config, d: Dist) -> GraphPath:
+    """The graph path of this run, and why (``graphs.enabled: auto`` resolved by
+    vitgraph.graphs.auto): chosen once, before the process groups were made (they need it for
+    NCCL's settings, the capture stream and the RNG)."""
+    if d.graphs is not None:
+        return d.graphs
+    from vitgraph.graphs.auto import choose_graphs as choose
+    return choose(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe, d.tp)
+
+
+def resolve_plan(cfg: Config, d: Dist) -> Plan:
+    """``cfg`` resolved for this rank (``d``: the process groups, made already)."""
+    t, m, p = cfg.train, cfg.model, cfg.parallel
+    graphs = choose_graphs(cfg, d)
+    p2p = p2p_mode(d.pp, d.vpp, p.overlap_p2p_comm)
+    kind = task_kind(cfg)
+    spec = resolve_spec(m.spec)
+    if spec == "te" and not d.cuda:
+        raise ConfigError("model.spec='te' needs CUDA and Transformer Engine; use "
+                          "model.spec=torch on CPU")
+    pair = resolve_clip_arch(m) if kind == "contrastive" else None
+    arch = pair.vision if pair is not None else resolve_arch(m)
+    fp8 = t.precision == "fp8"
+    # the fused norms are decided on the image tower's tokens (for both towers of a pair)
+    seq = sequence_length(arch, pair.class_token) if pair is not None \
+        else sequence_length(arch, m.class_token, m.num_registers)
+    return Plan(task=kind, arch=arch, pair=pair, spec=spec,
+                bf16=d.cuda if t.precision == "auto" else t.precision in ("bf16", "fp8"),
+                fp8_recipe=t.fp8_recipe if fp8 else None, micro_batch_size=t.micro_batch_size,
+                sequence_parallel=p.sequence_parallel,
+                sequence_parallel_tp=p.tp if p.sequence_parallel else 1,
+                fused_norm=use_fused_norm(m.fused_norm, fp8, t.micro_batch_size * seq),
+                graphs=graphs, dp=d.dp, cuda=d.cuda, p2p=p2p)

@@ -1,0 +1,188 @@
+"""What the training loop reports: one step's result, the window of steps between two log
+steps (summed on the device, read on the host once per window), the log line, and the
+records of log.jsonl and TensorBoard."""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vitgraph.tasks.base import reduce_stats
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, as device tensors whatever ran it (eager or a captured graph):
+    ``stats`` [loss x n, correct, n] summed over its microbatches, ``grad_norm`` and ``ok``
+    (the update was applied). ``ok_on_host``: the same flag where the host knows it without a
+    sync (eager: megatron read the norm), None under step graphs."""
+    stats: torch.Tensor
+    grad_norm: torch.Tensor
+    ok: torch.Tensor
+    ok_on_host: bool | None = None
+
+    @property
+    def outcome(self):
+        """``ok`` as cheaply as it can be had: the host's bool, else the device tensor."""
+        return self.ok if self.ok_on_host is None else self.ok_on_host
+
+
+def eval_line(evals: dict) -> str:
+    """'top1 0.9705 | loss 0.1234 | ...': a task's eval metrics, top-1 first."""
+    keys = sorted((k for k in evals if k.startswith("eval_") and k != "eval_images"),
+                  key=lambda k: (k != "eval_top1", k != "eval_loss", k))
+    return " | ".join(f"{k[5:]} {evals[k]:.4f}" for k in keys)
+
+
+def duration(seconds: float) -> str:
+    """'42s', '7m05s', '3h02m': an ETA as a person reads it."""
+    s = int(round(max(seconds, 0.0)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def augment_line(a, mixes_labels: bool = True) -> str:
+    """The augmentation in force (``data.augment``), as the start of a run logs it.
+    ``mixes_labels``: whether the task mixes labels (a contrastive task never does)."""
+    if not a.enabled:
+        return "off"
+    parts = [f"crop {a.crop_scale_min:g}-{a.crop_scale_max:g} of the area"]
+    if a.flip:
+        parts.append(f"flip {a.flip:g}")
+    if a.auto == "randaugment" and a.num_ops:
+        parts.append(f"randaugment {a.num_ops} ops m{a.magnitude:g} (std {a.magnitude_std:g}, "
+                     f"p {a.op_prob:g})")
+    elif a.auto == "trivialaugment":
+        parts.append("trivialaugment")
+    if mixes_labels and a.mixes:
+        mix = [f"{name} {alpha:g}" for name, alpha in (("mixup", a.mixup_alpha),
+                                                        ("cutmix", a.cutmix_alpha)) if alpha]
+        parts.append(" / ".join(mix) + f" (p {a.mix_prob:g}"
+                     + (f", cutmix share {a.switch_prob:g})" if len(mix) == 2 else ")"))
+    if a.erase_prob:
+        parts.append(f"erasing {a.erase_prob:g}")
+    return ", ".join(parts)
+
+
+class MetricsWindow:
+    """The steps since the last log step. ``add`` sums on the device (a skipped step's
+    non-finite values stay out); ``close`` reduces over the ranks, reads the sums once and
+    starts the next window. ``peak_flops``: the device's peak FLOP/s, None where it is not
+    known (CPU): then the record has no MFU."""
+
+    def __init__(self, device: torch.device, d, global_batch: int, flops_per_sample: float,
+                 peak_flops: float | None):
+        self.device, self.d = device, d
+        self.global_batch, self.flops_per_sample = global_batch, flops_per_sample
+        self.peak_flops = peak_flops
+        self.stats = torch.zeros(3, device=device)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.stats.zero_()
+        self.norm = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.good = torch.zeros((), dtype=torch.long, device=self.device)
+        self.steps = 0
+        self.t0 = time.time()
+
+    def add(self, r: StepResult) -> None:
+        self.stats += torch.where(r.ok, r.stats, torch.zeros_like(r.stats))
+        self.norm += torch.where(r.ok, r.grad_norm.to(torch.float64), 0.0)
+        self.good += r.ok.long()
+        self.steps += 1
+
+    def restart_clock(self) -> None:
+        """Time spent outside training steps (eval, checkpoints) stays out of img/s."""
+        self.t0 = time.time()
+
+    def close(self, step: int, **extra) -> dict:
+        """The window's record (a sync point); the next window starts empty."""
+        loss_sum, correct, n = reduce_stats(self.stats, self.d).tolist()
+        norm, good = float(self.norm), int(self.good)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        ips = self.steps * self.global_batch / (time.time() - self.t0)
+        tflops = ips * self.flops_per_sample / self.d.world / 1e12  # per GPU
+        record = {"step": step, "epoch": extra.pop("epoch"),
+                  # None when every step of the window was skipped
+                  "loss": loss_sum / n if n else None,
+                  "train_top1": correct / n if n else None,
+                  "lr": extra.pop("lr"),
+                  "grad_norm": norm / good if good else None,
+                  "images_per_s": ips, "tflops_per_gpu": tflops}
+        if self.peak_flops:
+            record["mfu"] = tflops * 1e12 / self.peak_flops
+        record.update(peak_mem_gib=peak_mem_gib(self.device), **extra)
+        self._clear()
+        return record
+
+
+def peak_mem_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+
+
+def train_line(record: dict, total_steps: int, eta_s: float, graphs: str = "") -> str:
+    """The log line of a window's record: 'step 10/200 | loss 2.3049 | ... | eta 1m02s'."""
+    nan = float("nan")
+    loss, top1, lr, norm = (nan if record[k] is None else record[k]
+                            for k in ("loss", "train_top1", "lr", "grad_norm"))
+    mfu = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+    skipped = record.get("skipped_steps")
+    return (f"step {record['step']}/{total_steps} | loss {loss:.4f} | top1 {top1:.3f} | "
+            f"lr {lr:.2e} | grad {norm:.3f} | {record['images_per_s']:.1f} img/s | "
+            f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu{mfu} | "
+            f"mem {record['peak_mem_gib']:.2f} GiB | eta {duration(eta_s)}{graphs}"
+            + (f" | skipped {skipped} non-finite steps" if skipped else ""))
+
+
+def graphs_line(stats: dict) -> str:
+    """' | graphs 12 (capture ...)': the graph managers' counters; '' without graphs."""
+    if not stats:
+        return ""
+    fallbacks = sum(stats["eager_fallbacks"].values())
+    return (f" | graphs {stats['graphs']} (capture {stats['capture_time_s']:.2f}s, pool "
+            f"{stats['pool_bytes'] / 2**20:.0f} MiB, replays {stats['replays']}, eager calls "
+            f"{fallbacks}, unseen shapes {stats['unseen_shapes']})")
+
+
+class RecordLog:
+    """log.jsonl (and TensorBoard's scalars) of rank 0; other ranks write nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.path = run_dir / "log.jsonl"
+        self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.writer.add_scalar(k, v, record["step"])
+
+    def last_train_record(self) -> dict:
+        """The newest training record of log.jsonl ({} on other ranks or without one)."""
+        if not self.enabled or not self.path.is_file():
+            return {}
+        records = [json.loads(line) for line in self.path.read_text().splitlines()
+                   if line.strip()]
+        return next((r for r in reversed(records) if "loss" in r), {})
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
