@@ -392,6 +392,10 @@ def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters
 
 # ---------------------------------------------------------------- bundled configs as shipped
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
 def bench_config(path: Path, data: str, steps: int, log_every: int, runs: Path,
                  microbatches: int = 2) -> dict:
     """``vitgraph train CONFIG`` as a user runs it, in a process of its own, on ``data`` (its
@@ -409,8 +413,12 @@ def bench_config(path: Path, data: str, steps: int, log_every: int, runs: Path,
     mb = cfg.train.micro_batch_size
     over += [f"train.global_batch_size={microbatches * mb}", "parallel.tp=1", "parallel.pp=1",
              "parallel.vpp=1", "parallel.sequence_parallel=false"]
+    # a world of one of its own: this process's first Trainer set RANK, MASTER_PORT ... here
+    # (vitgraph.parallel.setup.init_distributed), and a child that inherits them binds the same
+    # port (EADDRINUSE)
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     proc = subprocess.run([sys.executable, "-m", "vitgraph", "train", str(path), *over],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     run_dir = runs / path.stem
     records = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()
                if x.strip()] if (run_dir / "log.jsonl").is_file() else []
