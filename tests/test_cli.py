@@ -8,7 +8,7 @@ import torch
 
 from vitgraph.cli import main
 
-from conftest import ROOT, clean_env, import_timm, tiny_overrides, vitgraph_cmd, world_of_one
+from conftest import ROOT, clean_env, tiny_overrides, vitgraph_cmd, world_of_one
 
 dist1 = world_of_one("torch")
 
@@ -91,7 +91,7 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
         want = ours(x)
 
     assert main(["export", str(trained), "--format", "timm", "--out", str(tmp_path / "t.safetensors")]) == 0
-    timm = import_timm()
+    import timm
     from safetensors.torch import load_file
     ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4,
                             embed_dim=64, depth=4, num_heads=4, num_classes=10).eval()

@@ -16,7 +16,7 @@ from vitgraph.convert import (ConvertError, detect_format, export_state_dict, fr
                               to_vitgraph)
 from vitgraph.convert.names import qkv_from_megatron, qkv_to_megatron
 
-from conftest import ROOT, import_timm, world_of_one
+from conftest import ROOT, world_of_one
 
 dist1 = world_of_one("torch")
 
@@ -57,7 +57,7 @@ def test_qkv_layout_round_trip_and_megatron_split():
 
 @pytest.fixture(scope="module")
 def timm_base():
-    timm = import_timm()
+    import timm
     torch.manual_seed(0)
     model = randomise(timm.create_model("vit_base_patch16_224", pretrained=False,
                                         num_classes=7)).eval()
@@ -66,7 +66,7 @@ def timm_base():
 
 def test_timm_vit_base_in_and_out(dist1, timm_base, tmp_path):
     """timm vit_base_patch16_224 -> vitgraph (same logits) -> export -> timm (same logits)."""
-    timm = import_timm()
+    import timm
     src = tmp_path / "timm.safetensors"
     save_safetensors(timm_base.state_dict(), src)
     assert detect_format(load_file(src)) == "timm"
@@ -89,7 +89,7 @@ def test_timm_vit_base_in_and_out(dist1, timm_base, tmp_path):
 def test_timm_small_other_heads_registers_and_image_size(dist1, tmp_path, caplog):
     """Head of another class count re-initialised (logged), registers mapped, position
     embeddings resized to another image size."""
-    timm = import_timm()
+    import timm
     ref = randomise(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5,
                                       reg_tokens=2, img_size=32)).eval()
     src = tmp_path / "w.pth"
@@ -112,7 +112,7 @@ def test_timm_small_other_heads_registers_and_image_size(dist1, tmp_path, caplog
 
 
 def test_missing_unexpected_and_misshaped_keys_are_named(dist1, tmp_path):
-    timm = import_timm()
+    import timm
     ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32)
     sd = ref.state_dict()
     over = ["model.name=vit_tiny_patch16_224", "model.image_size=32"]

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph import HARDWARE_QUEUES, hardware_queues
 from vitgraph.config import Config, parse_steps, save_config, validate_machine
+from vitgraph.convert.export_files import write_classes
 from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.data.shards import EncodedImages
@@ -134,6 +135,8 @@ class Trainer:
         t0 = time.time()
         self.train_set, self.val_set = build_datasets(cfg.data, cfg.train.seed)
         self.task.attach(self.train_set, self.val_set)
+        if d.rank == 0 and not readonly:  # the class names an export carries
+            write_classes(self.run_dir, self.train_set.classes)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
@@ -547,8 +550,9 @@ def train(cfg: Config) -> dict:
 def _users_input(e: Exception) -> bool:
     """Errors the CLI reports as the user's input (exit 2) rather than a training failure."""
     from vitgraph.config import ConfigError
+    from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
-    return isinstance(e, (ConfigError, DataError, checkpoint.NoIntactCheckpoint))
+    return isinstance(e, (ConfigError, ConvertError, DataError, checkpoint.NoIntactCheckpoint))
 
 
 def _log_failure(cfg: Config, step) -> None:
