@@ -207,3 +207,16 @@ def test_export_state_dict_has_full_names_and_loads_with_weights_only(dist1, tmp
         assert json.loads(f.metadata()["step"]) == 5
     back = load_file(path)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_our_names_as_the_file_calls_them():
+    from vitgraph.convert.names import name_in_file
+    assert name_in_file("timm", "registers") == "reg_token"
+    assert name_in_file("timm", "decoder.layers.3.mlp.linear_fc1.bias") == "blocks.3.mlp.fc1.bias"
+    assert name_in_file("hf", "decoder.layers.0.self_attention.linear_qkv.weight") == (
+        "vit.encoder.layer.0.attention.attention.query.weight / "
+        "vit.encoder.layer.0.attention.attention.key.weight / "
+        "vit.encoder.layer.0.attention.attention.value.weight")
+    assert name_in_file("open_clip", "decoder.layers.1.self_attention.linear_proj.weight") == (
+        "visual.transformer.resblocks.1.attn.out_proj.weight")
+    assert name_in_file("vitgraph", "pos_embed") == "pos_embed"
