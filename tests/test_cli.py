@@ -58,6 +58,18 @@ def test_version_configs_usage_and_cache(env, tmp_path, capsys):
     assert sorted(p.name for p in cache.iterdir()) == ["keep.txt"]
 
 
+def test_models_lists_classifiers_and_image_text_pairs(capsys):
+    from vitgraph.models.registry import ALIASES, CLIP_MODELS, MODELS
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    classifiers, pairs = out.split("image-text pairs")
+    assert classifiers.startswith("classifiers")
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("  ")}
+    assert listed == set(MODELS) | set(ALIASES) | set(CLIP_MODELS)
+    assert all(f"  {name} " in pairs for name in CLIP_MODELS)
+    assert "  siglip_vit_b16 " in pairs and "context 64" in pairs
+
+
 def test_eval_writes_only_its_json(trained, env_module):
     before = snapshot(trained)
     metrics = json.loads((trained / "metrics.json").read_text())

@@ -64,13 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):  # no file descriptor behind stderr (embedded callers)
             pass
     if args.command == "models":
-        from vitgraph.models.registry import ALIASES, MODELS
-        for name, a in MODELS.items():
-            print(f"{name:28s} width {a.hidden_size:5d} depth {a.num_layers:3d} "
-                  f"heads {a.num_heads:3d} patch {a.patch_size:3d} image {a.image_size}")
-        for alias, name in ALIASES.items():
-            print(f"{alias:28s} -> {name}")
-        return 0
+        return _models()
     if args.command == "configs":
         return _configs()
     if args.command == "cache":
@@ -119,6 +113,26 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingFailed as e:
         print(f"vitgraph: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _models() -> int:
+    from vitgraph.models.registry import ALIASES, CLIP_MODELS, MODELS
+
+    def tower(a):
+        return (f"width {a.hidden_size:4d} depth {a.num_layers:2d} heads {a.num_heads:2d} "
+                f"patch {a.patch_size:2d} image {a.image_size}")
+    print("classifiers (task.kind classification):")
+    for name, a in MODELS.items():
+        print(f"  {name:24s} {tower(a)}")
+    for alias, name in ALIASES.items():
+        print(f"  {alias:24s} -> {name}")
+    print("image-text pairs (task.kind contrastive; CLIP / SigLIP):")
+    for name, p in CLIP_MODELS.items():
+        t = p.text
+        print(f"  {name:24s} image: {tower(p.vision)} | text: width {t.hidden_size} depth "
+              f"{t.num_layers} heads {t.num_heads} context {t.context_length} | "
+              f"embed {p.embed_dim}")
     return 0
 
 
