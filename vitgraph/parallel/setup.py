@@ -249,6 +249,7 @@ def transformer_config(cfg: Config, d: Dist) -> TransformerConfig:
         fp8_amax_compute_algo="max",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=fuse_wgrad, persist_layer_norm=False,
+        cuda_graph_scope=[],  # the whole layer: megatron's default, "full", warns it is deprecated
         **p2p_mode(d.pp, d.vpp, p.overlap_p2p_comm),
     )
 
