@@ -229,3 +229,30 @@ def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, en
     p = run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
             f"model.init_from={path}", *tiny_overrides(tmp_path / "run2", steps=2), check=False)
     assert p.returncode == 2 and "unexpected key 'reg_token'" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_cpu_run_prints_no_warnings_of_what_is_not_installed(tmp_path):
+    """megatron-core's TE / Apex notices (five modules, again in the checkpoint writer's
+    spawned process) and the other warnings of a plain run stay out of the terminal."""
+    env = clean_env()
+    del env["PYTHONWARNINGS"]
+    p = run(env, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+            *tiny_overrides(tmp_path / "run", steps=2))
+    for noise in ("not installed", "full scope is deprecated", "torch.distributed is disabled"):
+        assert noise not in p.stderr, p.stderr[-3000:]
+    assert "Warning" not in p.stderr, p.stderr[-3000:]
+
+
+def test_auto_spec_on_a_gpu_without_te_says_so_once(monkeypatch, caplog):
+    import logging
+
+    from vitgraph.models import specs
+    monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(specs, "te_available", lambda: False)
+    specs._say_no_te.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="vitgraph"):
+        assert specs.resolve_spec("auto") == specs.resolve_spec("auto") == "torch"
+        assert specs.resolve_spec("torch") == "torch"
+    said = [r for r in caplog.records if "Transformer Engine is not installed" in r.getMessage()]
+    assert len(said) == 1
+    specs._say_no_te.cache_clear()
