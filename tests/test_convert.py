@@ -220,3 +220,37 @@ def test_our_names_as_the_file_calls_them():
     assert name_in_file("open_clip", "decoder.layers.1.self_attention.linear_proj.weight") == (
         "visual.transformer.resblocks.1.attn.out_proj.weight")
     assert name_in_file("vitgraph", "pos_embed") == "pos_embed"
+
+
+@pytest.mark.parametrize("over", [[], ["model.class_token=false", "model.pool=mean",
+                                       "model.num_registers=2"]])
+def test_timm_config_rebuilds_the_model(dist1, tmp_path, over):
+    """timm's config.json written by the export: its architecture and model_args build a timm
+    model that takes the weights and gives vitgraph's logits (class token or mean pooling)."""
+    import timm
+
+    from vitgraph.convert import export_files
+    from vitgraph.models.registry import resolve_arch
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
+    ours = randomise(build(dist1, *over, num_classes=3), seed=2)
+    side = export_files.timm_config(cfg.model.name, resolve_arch(cfg.model), cfg.model, 3,
+                                    ["a", "b", "c"])
+    ref = timm.create_model(side["architecture"], pretrained=False,
+                            num_classes=side["num_classes"], **side["model_args"]).eval()
+    ref.load_state_dict(from_vitgraph(export_state_dict(ours), "timm", num_heads=4), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert rel_err(ref(x), ours(x)) <= 1e-4
+    assert side["label_names"] == ["a", "b", "c"]
+
+
+def test_class_names_of_a_run(tmp_path):
+    from vitgraph.convert import export_files
+    assert export_files.read_classes(tmp_path) is None  # a run from before they were stored
+    export_files.write_classes(tmp_path, ["cat", "dog"])
+    assert export_files.read_classes(tmp_path, 2) == ["cat", "dog"]
+    assert export_files.read_classes(tmp_path, 3) is None  # model.num_classes set otherwise
+    from vitgraph.config import ModelConfig
+    from vitgraph.models.registry import get_arch
+    hf = export_files.hf_config(get_arch("vit_pico_patch4_32"), ModelConfig(), 3, None)
+    assert hf["id2label"] == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
