@@ -30,8 +30,10 @@ torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split
 # and open_clip's models use none of the ops.
 tv_ok() { .venv/bin/python -c "import torchvision" >/dev/null 2>&1; }
 if .venv/bin/python -m pip show -q torchvision >/dev/null 2>&1 && ! tv_ok; then
-  tv_dir=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])")
-  sed -i 's/^@torch\.library\.register_fake("torchvision::\([a-z_]*\)")$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda fn: fn))/' \
+  tv_dir=$(.venv/bin/python -c "import importlib.util as u
+print(u.find_spec('torchvision').submodule_search_locations[0])")
+  guard='if torchvision.extension._has_ops() else (lambda fn: fn)'
+  sed -i "s/^@torch\.library\.register_fake(\"torchvision::\([a-z_]*\)\")\$/@(torch.library.register_fake(\"torchvision::\1\") $guard)/" \
     "$tv_dir/_meta_registrations.py"
   if tv_ok; then
     echo "torchvision: without its C++ ops (a CUDA build beside the CPU torch)"

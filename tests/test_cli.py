@@ -196,9 +196,10 @@ def test_an_imagefolder_runs_export_names_its_classes(env_module, tmp_path):
                 Image.new("RGB", (20, 16), (90 * c, 40 * i, 30)).save(
                     data / split / name / f"{i}.png")
     run_dir = tmp_path / "run"
-    run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"), "data.kind=imagefolder",
-        f"data.path={data}", *tiny_overrides(run_dir, steps=2, **{"train.global_batch_size": 4,
-                                                                  "train.micro_batch_size": 4}))
+    run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+        "data.kind=imagefolder", f"data.path={data}",
+        *tiny_overrides(run_dir, steps=2, **{"train.global_batch_size": 4,
+                                             "train.micro_batch_size": 4}))
     run(env_module, "export", str(run_dir), "--format", "hf", "--out",
         str(tmp_path / "hf" / "model.safetensors"))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -198,8 +198,8 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
                 report["pos_embed_resized"] = (tuple(value.shape), tuple(target.shape))
                 value = resize_pos_embed(value, prefix, grid)
         if value.shape != target.shape:
-            raise ConvertError(f"{source}: {name_of(name)!r} has shape {tuple(value.shape)}, the model "
-                               f"wants {tuple(target.shape)}")
+            raise ConvertError(f"{source}: {name_of(name)!r} has shape {tuple(value.shape)}, "
+                               f"the model wants {tuple(target.shape)}")
         target.copy_(value.to(target.dtype))
     if report["head_reinitialised"] and getattr(vit, "post_process", False):
         have = sd.get("head.weight")
@@ -224,7 +224,8 @@ def _size_of(sd: dict, prefix: str) -> dict | None:
               if (m := re.match(re.escape(prefix) + r"decoder\.layers\.(\d+)\.", k))}
     fc1 = sd.get(prefix + "decoder.layers.0.mlp.linear_fc1.weight")
     return {"num_layers": len(layers), "hidden_size": patch.shape[0],
-            "patch_size": patch.shape[-1], "ffn_hidden_size": fc1.shape[0] if fc1 is not None else None}
+            "patch_size": patch.shape[-1],
+            "ffn_hidden_size": fc1.shape[0] if fc1 is not None else None}
 
 
 def _check_size(sd: dict, target, path) -> None:
