@@ -20,7 +20,7 @@ spec="."
 [ "$extra" = test ] && spec=".[test]"
 # keep the torch installed above: without the pin, a dependency's newest release (timm ->
 # torchvision) asks for a newer torch, and pip replaces the CPU build by a multi-GB CUDA one
-torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+torch_version=$(.venv/bin/python -W ignore -c "import torch; print(torch.__version__.split('+')[0])")
 "${pip[@]}" -c <(echo "torch==$torch_version") -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
 # timm (test extra) pulls torchvision. PyPI's x86-64 Linux wheel of it is a CUDA build: beside
 # the CPU torch its C++ ops (nms, roi_align, image decoding) cannot load. torchvision works
