@@ -95,7 +95,7 @@ def vitgraph_input(image, size):
     """vitgraph's held-out preprocessing of one PIL image: [1, 3, size, size] fp32."""
     from vitgraph.data.imagefolder import resize_crop
     from vitgraph.data.loader import to_model_input
-    return to_model_input(torch.from_numpy(resize_crop(image, size))[None], size, "cpu",
+    return to_model_input(torch.tensor(resize_crop(image, size))[None], size, "cpu",
                           torch.float32)
 
 
