@@ -83,61 +83,8 @@ def world_of_one(spec: str):
     return fixture
 
 
-def import_timm():
-    """``import timm`` on a CPU-only torch (see ``import_without_torchvision``)."""
-    return import_without_torchvision("timm")
-
-
 def import_open_clip():
-    """``import open_clip`` (the test extra) on a CPU-only torch; skips the test where the
-    package is not installed. Its model code (ViTs, text towers) uses no torchvision."""
-    import importlib.util
-    if importlib.util.find_spec("open_clip") is None:
-        pytest.skip("open_clip_torch is not installed (pip install -e .[test])")
-    return import_without_torchvision("open_clip")
-
-
-def import_without_torchvision(name: str):
-    """``import name`` for packages that import torchvision at import time (timm, open_clip).
-
-    PyPI has no CPU build of torchvision for Linux: its wheel needs CUDA torch's libraries.
-    When torchvision cannot be imported, the package is imported with a stand-in for it (a
-    module whose every attribute is a MagicMock), and the stand-in is taken out of
-    ``sys.modules`` again afterwards so that nothing else (e.g. transformers) mistakes it for
-    torchvision. Only model code that uses no torchvision may be used from such an import.
-    """
-    import importlib
-    try:
-        import torchvision  # noqa: F401
-        return importlib.import_module(name)
-    except Exception:
-        pass
-    import importlib.abc
-    import importlib.machinery
-    from unittest import mock
-
-    class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path, target=None):
-            if name == "torchvision" or name.startswith("torchvision."):
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            m = mock.MagicMock(name=spec.name)
-            m.__path__, m.__spec__, m.__name__ = [], spec, spec.name
-            return m
-
-        def exec_module(self, module):
-            pass
-
-    finder = _StandIn()
-    for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
-        del sys.modules[k]
-    sys.meta_path.insert(0, finder)
-    try:
-        module = importlib.import_module(name)
-    finally:
-        sys.meta_path.remove(finder)
-        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
-            del sys.modules[k]
-    return module
+    """``import open_clip`` (the test extra); skips the test where the package is not
+    installed."""
+    return pytest.importorskip("open_clip", reason="open_clip_torch is not installed "
+                                                   "(pip install -e .[test])")

@@ -8,7 +8,7 @@ import torch
 
 from vitgraph.cli import main
 
-from conftest import ROOT, clean_env, import_timm, tiny_overrides, vitgraph_cmd, world_of_one
+from conftest import ROOT, clean_env, tiny_overrides, vitgraph_cmd, world_of_one
 
 dist1 = world_of_one("torch")
 
@@ -58,6 +58,18 @@ def test_version_configs_usage_and_cache(env, tmp_path, capsys):
     assert sorted(p.name for p in cache.iterdir()) == ["keep.txt"]
 
 
+def test_models_lists_classifiers_and_image_text_pairs(capsys):
+    from vitgraph.models.registry import ALIASES, CLIP_MODELS, MODELS
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    classifiers, pairs = out.split("image-text pairs")
+    assert classifiers.startswith("classifiers")
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("  ")}
+    assert listed == set(MODELS) | set(ALIASES) | set(CLIP_MODELS)
+    assert all(f"  {name} " in pairs for name in CLIP_MODELS)
+    assert "  siglip_vit_b16 " in pairs and "context 64" in pairs
+
+
 def test_eval_writes_only_its_json(trained, env_module):
     before = snapshot(trained)
     metrics = json.loads((trained / "metrics.json").read_text())
@@ -89,9 +101,28 @@ def test_eval_of_a_missing_checkpoint_names_it(trained, capsys):
     assert "step_000007" in capsys.readouterr().err
 
 
+def vitgraph_input(image, size):
+    """vitgraph's held-out preprocessing of one PIL image: [1, 3, size, size] fp32."""
+    from vitgraph.data.imagefolder import resize_crop
+    from vitgraph.data.loader import to_model_input
+    return to_model_input(torch.tensor(resize_crop(image, size))[None], size, "cpu",
+                          torch.float32)
+
+
 def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_path, capsys):
+    """Each export, loaded the way the README says, gives vitgraph's logits; the files beside
+    it carry vitgraph's preprocessing (mean = std = 0.5, shorter side + center crop, bicubic)
+    and the run's class names."""
+    import numpy as np
+    import timm
+    from PIL import Image
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
     from vitgraph.config import load_config
     from vitgraph.convert import load_into_model, read_checkpoint_weights
+    from vitgraph.data.shapes import CLASSES
     from vitgraph.models.build import build_model
     from vitgraph.plan import resolve_plan
     cfg = load_config(trained / "config.yaml")
@@ -101,25 +132,60 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         want = ours(x)
+    names = CLASSES[:10]
+    assert json.loads((trained / "classes.json").read_text()) == names
 
-    assert main(["export", str(trained), "--format", "timm", "--out", str(tmp_path / "t.safetensors")]) == 0
-    timm = import_timm()
-    from safetensors.torch import load_file
+    def close(got, ref=want):
+        return ((got - ref).abs().max() / ref.abs().max()) <= 1e-4 and ref.abs().max() > 0
+
+    timm_file = tmp_path / "timm" / "model.safetensors"
+    assert main(["export", str(trained), "--format", "timm", "--out", str(timm_file)]) == 0
     ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4,
                             embed_dim=64, depth=4, num_heads=4, num_classes=10).eval()
-    ref.load_state_dict(load_file(tmp_path / "t.safetensors"), strict=True)
+    ref.load_state_dict(load_file(timm_file), strict=True)
     with torch.no_grad():
-        got = ref(x)
-    assert ((got - want).abs().max() / want.abs().max()) <= 1e-4 and want.abs().max() > 0
+        assert close(ref(x))
+    side = json.loads((timm_file.parent / "config.json").read_text())
+    assert side["num_classes"] == 10 and side["label_names"] == names
+    pc = side["pretrained_cfg"]
+    assert pc["mean"] == pc["std"] == [0.5, 0.5, 0.5] and pc["input_size"] == [3, 32, 32]
+    # the folder alone rebuilds the model: timm reads the sizes, weights and preprocessing
+    local = timm.create_model(f"local-dir:{timm_file.parent}", pretrained=True).eval()
+    with torch.no_grad():
+        assert close(local(x))
+    data_cfg = timm.data.resolve_data_config({}, model=local)
+    assert tuple(data_cfg["mean"]) == tuple(data_cfg["std"]) == (0.5, 0.5, 0.5)
+    assert data_cfg["interpolation"] == "bicubic" and data_cfg["crop_pct"] == 1.0
+    assert tuple(data_cfg["input_size"]) == (3, 32, 32)
+    assert local.pretrained_cfg["label_names"] == names
 
+    hf_dir = tmp_path / "hf"
     assert main(["export", str(trained), "--format", "hf", "--out",
-                 str(tmp_path / "hf" / "model.safetensors")]) == 0
-    from transformers import ViTForImageClassification
-    hf = ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+                 str(hf_dir / "model.safetensors")]) == 0
+    hf = ViTForImageClassification.from_pretrained(hf_dir).eval()
     with torch.no_grad():
-        got = hf(pixel_values=x).logits
-    # vitgraph trained with eps 1e-6; the exported config carries it
-    assert ((got - want).abs().max() / want.abs().max()) <= 1e-4
+        # vitgraph trained with eps 1e-6; the exported config carries it
+        assert close(hf(pixel_values=x).logits)
+    assert [hf.config.id2label[i] for i in range(10)] == names
+    assert hf.config.label2id["heart"] == 9
+    # the processor does to an image what vitgraph's held-out path does: a 40x32 photo is
+    # center-cropped (exactly), a 96x80 one resized and cropped (within resampling's rounding)
+    processor = AutoImageProcessor.from_pretrained(hf_dir)
+    rng = np.random.default_rng(0)
+    for (w, h), tol in (((40, 32), 1e-6), ((96, 80), 0.1)):
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        mine = vitgraph_input(image, 32)
+        theirs = processor(images=image, return_tensors="pt")["pixel_values"]
+        assert theirs.shape == mine.shape
+        assert (theirs - mine).abs().mean() <= tol / 10 and (theirs - mine).abs().max() <= tol * 10
+    image = Image.fromarray(rng.integers(0, 256, (32, 40, 3), dtype=np.uint8))
+    with torch.no_grad():
+        assert close(hf(**processor(images=image, return_tensors="pt")).logits,
+                     ours(vitgraph_input(image, 32)))
+    with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["classes"]) == names
+    assert json.loads(meta["preprocessing"])["mean"] == [0.5, 0.5, 0.5]
 
     assert main(["export", str(trained), "--out", str(tmp_path / "v.safetensors")]) == 0
     sd = load_file(tmp_path / "v.safetensors")
@@ -130,3 +196,76 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
     err = capsys.readouterr().err
     assert "classifier ViT cannot be written as open_clip" in err and "ln_pre" in err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_an_imagefolder_runs_export_names_its_classes(env_module, tmp_path):
+    from PIL import Image
+    data = tmp_path / "data"
+    for split in ("train", "val"):
+        for c, name in enumerate(("cat", "dog", "zebra")):
+            (data / split / name).mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (20, 16), (90 * c, 40 * i, 30)).save(
+                    data / split / name / f"{i}.png")
+    run_dir = tmp_path / "run"
+    run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+        "data.kind=imagefolder", f"data.path={data}",
+        *tiny_overrides(run_dir, steps=2, **{"train.global_batch_size": 4,
+                                             "train.micro_batch_size": 4}))
+    run(env_module, "export", str(run_dir), "--format", "hf", "--out",
+        str(tmp_path / "hf" / "model.safetensors"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["id2label"] == {"0": "cat", "1": "dog", "2": "zebra"}
+    assert config["label2id"] == {"cat": 0, "dog": 1, "zebra": 2}
+    run(env_module, "export", str(run_dir), "--format", "timm", "--out",
+        str(tmp_path / "timm" / "model.safetensors"))
+    timm_cfg = json.loads((tmp_path / "timm" / "config.json").read_text())
+    assert timm_cfg["label_names"] == ["cat", "dog", "zebra"] and timm_cfg["num_classes"] == 3
+
+
+def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, env_module,
+                                                                     tmp_path):
+    """The message gives the file's and the config's sizes, what to set, and the file's own
+    key names (timm's here), not vitgraph's."""
+    from vitgraph.convert import from_vitgraph, read_checkpoint_weights, save_safetensors
+    sd = read_checkpoint_weights(trained)[0]  # 4 layers x 64
+    path = save_safetensors(from_vitgraph(sd, "timm", 4), tmp_path / "w.safetensors")
+    p = run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+            f"model.init_from={path}", "model.num_layers=2",
+            *tiny_overrides(tmp_path / "run", steps=2), check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = p.stderr
+    assert "holds a 4-layer, 64-wide ViT" in err and "builds a 2-layer, 64-wide ViT" in err
+    assert "set model.name / model.num_layers " in err and "failed" not in err
+    with_registers = dict(sd, registers=torch.zeros(1, 1, 64))
+    path = save_safetensors(from_vitgraph(with_registers, "timm", 4), tmp_path / "r.safetensors")
+    p = run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+            f"model.init_from={path}", *tiny_overrides(tmp_path / "run2", steps=2), check=False)
+    assert p.returncode == 2 and "unexpected key 'reg_token'" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_cpu_run_prints_no_warnings_of_what_is_not_installed(tmp_path):
+    """megatron-core's TE / Apex notices (five modules, again in the checkpoint writer's
+    spawned process) and the other warnings of a plain run stay out of the terminal."""
+    env = clean_env()
+    del env["PYTHONWARNINGS"]
+    p = run(env, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+            *tiny_overrides(tmp_path / "run", steps=2))
+    for noise in ("not installed", "full scope is deprecated", "torch.distributed is disabled"):
+        assert noise not in p.stderr, p.stderr[-3000:]
+    assert "Warning" not in p.stderr, p.stderr[-3000:]
+
+
+def test_auto_spec_on_a_gpu_without_te_says_so_once(monkeypatch, caplog):
+    import logging
+
+    from vitgraph.models import specs
+    monkeypatch.setattr(specs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(specs, "te_available", lambda: False)
+    specs._say_no_te.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="vitgraph"):
+        assert specs.resolve_spec("auto") == specs.resolve_spec("auto") == "torch"
+        assert specs.resolve_spec("torch") == "torch"
+    said = [r for r in caplog.records if "Transformer Engine is not installed" in r.getMessage()]
+    assert len(said) == 1
+    specs._say_no_te.cache_clear()

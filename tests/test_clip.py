@@ -107,7 +107,7 @@ def test_causal_torch_attention_matches_explicit_mask():
     from megatron.core.transformer.transformer_config import TransformerConfig
     from vitgraph.models.specs import SDPAttention
     cfg = TransformerConfig(num_layers=1, hidden_size=12, num_attention_heads=3,
-                            attention_dropout=0.0,
+                            attention_dropout=0.0, cuda_graph_scope=[],
                             use_cpu_initialization=True)
     q, k, v = (torch.randn(5, 2, 3, 4) for _ in range(3))  # [s, b, heads, d]
     attn = SDPAttention(cfg, 1, AttnMaskType.causal, None)

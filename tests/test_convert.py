@@ -16,7 +16,7 @@ from vitgraph.convert import (ConvertError, detect_format, export_state_dict, fr
                               to_vitgraph)
 from vitgraph.convert.names import qkv_from_megatron, qkv_to_megatron
 
-from conftest import ROOT, import_timm, world_of_one
+from conftest import ROOT, world_of_one
 
 dist1 = world_of_one("torch")
 
@@ -58,7 +58,7 @@ def test_qkv_layout_round_trip_and_megatron_split():
 
 @pytest.fixture(scope="module")
 def timm_base():
-    timm = import_timm()
+    import timm
     torch.manual_seed(0)
     model = randomise(timm.create_model("vit_base_patch16_224", pretrained=False,
                                         num_classes=7)).eval()
@@ -67,7 +67,7 @@ def timm_base():
 
 def test_timm_vit_base_in_and_out(dist1, timm_base, tmp_path):
     """timm vit_base_patch16_224 -> vitgraph (same logits) -> export -> timm (same logits)."""
-    timm = import_timm()
+    import timm
     src = tmp_path / "timm.safetensors"
     save_safetensors(timm_base.state_dict(), src)
     assert detect_format(load_file(src)) == "timm"
@@ -90,7 +90,7 @@ def test_timm_vit_base_in_and_out(dist1, timm_base, tmp_path):
 def test_timm_small_other_heads_registers_and_image_size(dist1, tmp_path, caplog):
     """Head of another class count re-initialised (logged), registers mapped, position
     embeddings resized to another image size."""
-    timm = import_timm()
+    import timm
     ref = randomise(timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5,
                                       reg_tokens=2, img_size=32)).eval()
     src = tmp_path / "w.pth"
@@ -113,7 +113,7 @@ def test_timm_small_other_heads_registers_and_image_size(dist1, tmp_path, caplog
 
 
 def test_missing_unexpected_and_misshaped_keys_are_named(dist1, tmp_path):
-    timm = import_timm()
+    import timm
     ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32)
     sd = ref.state_dict()
     over = ["model.name=vit_tiny_patch16_224", "model.image_size=32"]
@@ -208,3 +208,50 @@ def test_export_state_dict_has_full_names_and_loads_with_weights_only(dist1, tmp
         assert json.loads(f.metadata()["step"]) == 5
     back = load_file(path)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_our_names_as_the_file_calls_them():
+    from vitgraph.convert.names import name_in_file
+    assert name_in_file("timm", "registers") == "reg_token"
+    assert name_in_file("timm", "decoder.layers.3.mlp.linear_fc1.bias") == "blocks.3.mlp.fc1.bias"
+    assert name_in_file("hf", "decoder.layers.0.self_attention.linear_qkv.weight") == (
+        "vit.encoder.layer.0.attention.attention.query.weight / "
+        "vit.encoder.layer.0.attention.attention.key.weight / "
+        "vit.encoder.layer.0.attention.attention.value.weight")
+    assert name_in_file("open_clip", "decoder.layers.1.self_attention.linear_proj.weight") == (
+        "visual.transformer.resblocks.1.attn.out_proj.weight")
+    assert name_in_file("vitgraph", "pos_embed") == "pos_embed"
+
+
+@pytest.mark.parametrize("over", [[], ["model.class_token=false", "model.pool=mean",
+                                       "model.num_registers=2"]])
+def test_timm_config_rebuilds_the_model(dist1, tmp_path, over):
+    """timm's config.json written by the export: its architecture and model_args build a timm
+    model that takes the weights and gives vitgraph's logits (class token or mean pooling)."""
+    import timm
+
+    from vitgraph.convert import export_files
+    from vitgraph.models.registry import resolve_arch
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
+    ours = randomise(build(dist1, *over, num_classes=3), seed=2)
+    side = export_files.timm_config(cfg.model.name, resolve_arch(cfg.model), cfg.model, 3,
+                                    ["a", "b", "c"])
+    ref = timm.create_model(side["architecture"], pretrained=False,
+                            num_classes=side["num_classes"], **side["model_args"]).eval()
+    ref.load_state_dict(from_vitgraph(export_state_dict(ours), "timm", num_heads=4), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert rel_err(ref(x), ours(x)) <= 1e-4
+    assert side["label_names"] == ["a", "b", "c"]
+
+
+def test_class_names_of_a_run(tmp_path):
+    from vitgraph.convert import export_files
+    assert export_files.read_classes(tmp_path) is None  # a run from before they were stored
+    export_files.write_classes(tmp_path, ["cat", "dog"])
+    assert export_files.read_classes(tmp_path, 2) == ["cat", "dog"]
+    assert export_files.read_classes(tmp_path, 3) is None  # model.num_classes set otherwise
+    from vitgraph.config import ModelConfig
+    from vitgraph.models.registry import get_arch
+    hf = export_files.hf_config(get_arch("vit_pico_patch4_32"), ModelConfig(), 3, None)
+    assert hf["id2label"] == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}

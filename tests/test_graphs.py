@@ -792,7 +792,7 @@ def _megatron_block(num_layers=2, hidden=32, dropout=0.1):
 
     cfg = TransformerConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=4,
                             use_cpu_initialization=True, hidden_dropout=dropout, attention_dropout=0.0,
-                            bias_dropout_fusion=False)
+                            bias_dropout_fusion=False, cuda_graph_scope=[])
     spec = get_vit_layer_with_local_spec()
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask  # a ViT
     return TransformerBlock(config=cfg, spec=spec, post_layer_norm=False)

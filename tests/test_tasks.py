@@ -31,14 +31,15 @@ def test_contrastive_training_end_to_end(tmp_path, capsys, loss):
     out, err = capsys.readouterr()
     assert code == 0, out[-3000:] + err[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
-    for key in ("eval_top1", "eval_image_to_text_r@1", "eval_image_to_text_r@5",
+    assert "eval_top1" not in metrics  # a classifier's name: zero-shot is named so
+    for key in ("eval_zero_shot_top1", "eval_image_to_text_r@1", "eval_image_to_text_r@5",
                 "eval_text_to_image_r@1", "eval_text_to_image_r@5"):
         assert 0.0 <= metrics[key] <= 1.0, key
     assert metrics["eval_images"] == 200
     assert str((run / "metrics.json").resolve()) in out
     losses = {x["step"]: x["loss"] for x in log_of(run) if "loss" in x}
     assert losses[30] < losses[10], losses
-    assert [x["step"] for x in log_of(run) if "eval_top1" in x] == [15, 30]
+    assert [x["step"] for x in log_of(run) if "eval_zero_shot_top1" in x] == [15, 30]
     assert f"({loss} loss)" in (run / "train.log").read_text()
 
 

@@ -1,8 +1,16 @@
 """vitgraph: train vision encoders the Megatron way."""
 import ctypes
 import os
+import warnings
 
 __version__ = "0.1.0"
+
+# megatron-core says from five modules that Transformer Engine and Apex are missing, at import
+# and again in each process that imports it (the checkpoint writer's spawned manager): ten
+# lines per command. Without CUDA neither can run, and vitgraph's torch spec needs neither;
+# with CUDA and no TE, vitgraph says so in one line (vitgraph.models.specs.resolve_spec).
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed",
+                        category=UserWarning, module="megatron")
 
 # CUDA maps streams onto this many hardware work queues per device (CUDA's default: 8).
 # nvJPEG decodes on 14 streams of its own beside the training and graph streams: with 8 queues

@@ -40,8 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "towers and pairs, not classifiers).")
     ex.add_argument("run_dir")
     ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "hf", "open_clip"))
-    ex.add_argument("--out", required=True, help="output .safetensors file (hf: config.json is "
-                                                 "written beside it)")
+    ex.add_argument("--out", required=True, help="output .safetensors file; hf writes config.json "
+                    "and preprocessor_config.json beside it, timm config.json (name it "
+                    "model.safetensors for from_pretrained(DIR) / create_model('local-dir:DIR'))")
     ex.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
     sub.add_parser("configs", help="list the bundled configs with their header lines")
     sub.add_parser("models", help="list the registered model names")
@@ -63,13 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError):  # no file descriptor behind stderr (embedded callers)
             pass
     if args.command == "models":
-        from vitgraph.models.registry import ALIASES, MODELS
-        for name, a in MODELS.items():
-            print(f"{name:28s} width {a.hidden_size:5d} depth {a.num_layers:3d} "
-                  f"heads {a.num_heads:3d} patch {a.patch_size:3d} image {a.image_size}")
-        for alias, name in ALIASES.items():
-            print(f"{alias:28s} -> {name}")
-        return 0
+        return _models()
     if args.command == "configs":
         return _configs()
     if args.command == "cache":
@@ -123,6 +118,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _models() -> int:
+    from vitgraph.models.registry import ALIASES, CLIP_MODELS, MODELS
+
+    def tower(a):
+        return (f"width {a.hidden_size:4d} depth {a.num_layers:2d} heads {a.num_heads:2d} "
+                f"patch {a.patch_size:2d} image {a.image_size}")
+    print("classifiers (task.kind classification):")
+    for name, a in MODELS.items():
+        print(f"  {name:24s} {tower(a)}")
+    for alias, name in ALIASES.items():
+        print(f"  {alias:24s} -> {name}")
+    print("image-text pairs (task.kind contrastive; CLIP / SigLIP):")
+    for name, p in CLIP_MODELS.items():
+        t = p.text
+        print(f"  {name:24s} image: {tower(p.vision)} | text: width {t.hidden_size} depth "
+              f"{t.num_layers} heads {t.num_heads} context {t.context_length} | "
+              f"embed {p.embed_dim}")
+    return 0
+
+
 def _configs() -> int:
     files = sorted(CONFIGS_DIR.glob("*.yaml"))
     if not files:
@@ -164,8 +179,8 @@ def _export(args) -> int:
     import yaml
 
     from vitgraph.config import ConfigError, ModelConfig, _build
-    from vitgraph.convert import (ConvertError, from_vitgraph, read_checkpoint_weights,
-                                  save_safetensors)
+    from vitgraph.convert import (ConvertError, export_files, from_vitgraph,
+                                  read_checkpoint_weights, save_safetensors)
     from vitgraph.models.registry import CLIP_MODELS, resolve_arch
     from vitgraph.train.checkpoint import checkpoint_dir
     run_dir = Path(args.run_dir)
@@ -182,13 +197,26 @@ def _export(args) -> int:
         path = checkpoint_dir(run_dir, args.checkpoint)
         sd, step = read_checkpoint_weights(path)
         out = from_vitgraph(sd, args.format, *heads)
+        n = int(sd["head.weight"].shape[0]) if "head.weight" in sd else 0
+        classes = export_files.read_classes(run_dir, n or None)  # a pair has no head
         meta = {"format": "pt", "vitgraph_format": args.format, "step": step,
-                "checkpoint": str(path), "model": model_cfg.name}
+                "checkpoint": str(path), "model": model_cfg.name,
+                "preprocessing": export_files.preprocessing(arch.image_size)}
+        if classes:
+            meta["classes"] = classes
         written = save_safetensors(out, args.out, meta)
+        sidecars = {}
         if args.format == "hf":
-            cfg_path = written.parent / "config.json"
-            cfg_path.write_text(json.dumps(_hf_config(arch, model_cfg, sd), indent=2) + "\n")
-            print(cfg_path)
+            sidecars = {"config.json": export_files.hf_config(arch, model_cfg, n, classes),
+                        "preprocessor_config.json":
+                            export_files.hf_preprocessor_config(arch.image_size)}
+        elif args.format == "timm":
+            sidecars = {"config.json": export_files.timm_config(model_cfg.name, arch, model_cfg,
+                                                                n, classes)}
+        for name, content in sidecars.items():
+            side = written.parent / name
+            side.write_text(json.dumps(content, indent=2) + "\n")
+            print(side)
     except FileNotFoundError as e:
         print(f"vitgraph: export: {e}", file=sys.stderr)
         return 2
@@ -197,19 +225,6 @@ def _export(args) -> int:
         return 2
     print(written)
     return 0
-
-
-def _hf_config(arch, model_cfg, sd) -> dict:
-    """A transformers ``ViTConfig`` for the exported weights (ViTForImageClassification)."""
-    n = int(sd["head.weight"].shape[0]) if "head.weight" in sd else 0
-    return {"architectures": ["ViTForImageClassification"], "model_type": "vit",
-            "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
-            "num_attention_heads": arch.num_heads, "intermediate_size": arch.ffn_hidden_size,
-            "hidden_act": "gelu", "layer_norm_eps": model_cfg.layernorm_epsilon,
-            "image_size": arch.image_size, "patch_size": arch.patch_size, "num_channels": 3,
-            "qkv_bias": True, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-            "id2label": {str(i): f"LABEL_{i}" for i in range(n)},
-            "label2id": {f"LABEL_{i}": i for i in range(n)}}
 
 
 if __name__ == "__main__":

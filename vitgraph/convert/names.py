@@ -212,6 +212,17 @@ def to_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = Non
     raise ConvertError(f"unknown weights format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
 
+def name_in_file(fmt: str, ours: str) -> str:
+    """One of our names as a ``fmt`` file calls it, for messages (ours where unknown)."""
+    if fmt in ("timm", "hf"):
+        return tables.their_name(TIMM if fmt == "timm" else HF, ours) or ours
+    if fmt == "open_clip":
+        from vitgraph.convert.openclip import TEXT, VISION
+        return (tables.their_name(VISION, ours) or tables.their_name(VISION, "visual." + ours)
+                or tables.their_name(TEXT, ours) or ours)
+    return ours
+
+
 def from_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = None) -> dict:
     sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
     if fmt == "vitgraph":

@@ -10,6 +10,7 @@ process group), whatever the tp / pp layout of the run that wrote it.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,7 +42,9 @@ def read_dist_weights(dist_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
     stacked = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
                if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
     if stacked:
-        dcp.load(stacked, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # "assuming ... a single process": as asked (no_dist)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(stacked, storage_reader=reader, no_dist=True)
     out = {}
     for name, t in stacked.items():
         m = _STACKED.match(name)

@@ -109,6 +109,25 @@ def _entries(tower: Tower):
         yield ours, theirs, (e[2] if len(e) > 2 else None)
 
 
+def their_name(tower: Tower, ours: str) -> str | None:
+    """The name ``tower``'s format gives one of our tensors (q, k and v kept apart: all three),
+    or None where it has none."""
+    for o, theirs, _ in _entries(tower):
+        if o == ours:
+            return theirs
+    m = re.match(layer_pattern(tower.ours_layers), ours) if tower.theirs_layers else None
+    if not m:
+        return None
+    dst, inner = tower.theirs_layers.format(i=m.group(1)), ours[m.end():]
+    for o, theirs in tower.layer:
+        if o == inner:
+            return dst + theirs
+    if inner.startswith("self_attention.linear_qkv."):
+        kind = inner.rsplit(".", 1)[1]
+        return " / ".join(dst + name.format(kind=kind) for name in tower.qkv)
+    return None
+
+
 def to_vitgraph(rest: dict, tower: Tower, num_heads: int) -> dict:
     """Pop ``tower``'s tensors from ``rest`` (their names) -> {our name: tensor}."""
     out = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vitgraph.convert.names import ConvertError, to_vitgraph
+from vitgraph.convert.names import ConvertError, name_in_file, to_vitgraph
 from vitgraph.models.init import global_names as _global_names
 from vitgraph.models.vit import unwrap
 
@@ -145,14 +145,16 @@ def heads_of(model) -> tuple[int, int | None]:
 
 
 @torch.no_grad()
-def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights") -> dict:
+def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
+                    name_of=lambda name: name) -> dict:
     """Copy a full vitgraph state dict into ``model``: one classifier chunk (any pipeline
     stage), a CLIP / SigLIP pair, or a pair's image tower alone (``visual.*`` names).
 
     A head of another class count (or none in ``sd``) keeps the model's fresh init; position
     embeddings of another grid are resized; a pair whose weights have no text tower keeps its
     text tower (and logit scale / bias) as initialised; any other missing, unexpected or
-    mis-shaped key is a ``ConvertError`` naming it. Returns {"head_reinitialised": bool,
+    mis-shaped key is a ``ConvertError`` naming it (``name_of``: our name -> the file's, for
+    those messages). Returns {"head_reinitialised": bool,
     "pos_embed_resized": (old, new) or None, "kept": [names left at their initial values]}.
     """
     vit = unwrap(model)
@@ -167,7 +169,7 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights")
         known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers)
     unexpected = sorted(set(sd) - known)
     if unexpected:
-        raise ConvertError(f"{source}: unexpected key {unexpected[0]!r}"
+        raise ConvertError(f"{source}: unexpected key {name_of(unexpected[0])!r}"
                            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                            + " for this model (check model.name, model.num_registers, "
                              "model.class_token)")
@@ -184,7 +186,7 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights")
                          or no_text and name.startswith("text.")):
                 report["kept"].append(name)
                 continue
-            raise ConvertError(f"{source}: missing key {name!r}")
+            raise ConvertError(f"{source}: missing key {name_of(name)!r}")
         value = sd[name]
         if name.startswith("head.") and value.shape != target.shape:
             report["head_reinitialised"] = True
@@ -196,8 +198,8 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights")
                 report["pos_embed_resized"] = (tuple(value.shape), tuple(target.shape))
                 value = resize_pos_embed(value, prefix, grid)
         if value.shape != target.shape:
-            raise ConvertError(f"{source}: {name!r} has shape {tuple(value.shape)}, the model "
-                               f"wants {tuple(target.shape)}")
+            raise ConvertError(f"{source}: {name_of(name)!r} has shape {tuple(value.shape)}, "
+                               f"the model wants {tuple(target.shape)}")
         target.copy_(value.to(target.dtype))
     if report["head_reinitialised"] and getattr(vit, "post_process", False):
         have = sd.get("head.weight")
@@ -211,6 +213,42 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights")
                  len(report["kept"]), "the text tower and the logit scale" if no_text
                  else ", ".join(report["kept"]))
     return report
+
+
+def _size_of(sd: dict, prefix: str) -> dict | None:
+    """Depth, width, patch and MLP sizes of the encoder in a full state dict (our names)."""
+    patch = sd.get(prefix + "patch_embed.weight")
+    if patch is None:
+        return None
+    layers = {int(m.group(1)) for k in sd
+              if (m := re.match(re.escape(prefix) + r"decoder\.layers\.(\d+)\.", k))}
+    fc1 = sd.get(prefix + "decoder.layers.0.mlp.linear_fc1.weight")
+    return {"num_layers": len(layers), "hidden_size": patch.shape[0],
+            "patch_size": patch.shape[-1],
+            "ffn_hidden_size": fc1.shape[0] if fc1 is not None else None}
+
+
+def _check_size(sd: dict, target, path) -> None:
+    """Weights of another encoder size: one error that says both sizes and what to set."""
+    vit, prefix = (target.visual, "visual.") if _is_pair(target) else (target, "")
+    if _is_tower(vit) and not _is_pair(target) and any(k.startswith("visual.") for k in sd):
+        prefix = "visual."
+    have = _size_of(sd, prefix)
+    if have is None:
+        return
+    a = vit.arch
+    want = {"num_layers": a.num_layers, "hidden_size": a.hidden_size,
+            "patch_size": a.patch_size, "ffn_hidden_size": a.ffn_hidden_size}
+    differ = [k for k in want if have[k] is not None and have[k] != want[k]]
+    if not differ:
+        return
+
+    def size(s):
+        return (f"{s['num_layers']}-layer, {s['hidden_size']}-wide ViT (patch {s['patch_size']}, "
+                f"MLP {s['ffn_hidden_size']})")
+    keys = " / ".join(["model.name", *(f"model.{k}" for k in differ)])
+    raise ConvertError(f"{path} holds a {size(have)}; this config builds a {size(want)}: "
+                       f"set {keys} to the file's size")
 
 
 def init_from(model, path: str, fmt: str = "auto") -> dict:
@@ -232,6 +270,8 @@ def init_from(model, path: str, fmt: str = "auto") -> dict:
                          "not used", unused)
     heads, text_heads = heads_of(target)
     sd = to_vitgraph(raw, fmt, heads, text_heads)
-    report = load_into_model(model, sd, source=str(path))
+    _check_size(sd, target, path)
+    report = load_into_model(model, sd, source=str(path),
+                             name_of=lambda name: name_in_file(fmt, name))
     log.info("init: weights from %s (%s)", path, fmt)
     return report

@@ -77,6 +77,7 @@ def transformer_config(plan, model_cfg, d) -> TransformerConfig:
         fp8_amax_compute_algo="max",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
+        cuda_graph_scope=[],  # the whole layer: megatron's default, "full", warns it is deprecated
         gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion and d.cuda
         and plan.spec == "te",
         **plan.p2p,

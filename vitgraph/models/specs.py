@@ -45,8 +45,22 @@ def te_available() -> bool:
 
 def resolve_spec(name: str) -> str:
     if name == "auto":
-        return "te" if torch.cuda.is_available() and te_available() else "torch"
+        if not torch.cuda.is_available():
+            return "torch"
+        if te_available():
+            return "te"
+        _say_no_te()
+        return "torch"
     return name
+
+
+@functools.cache
+def _say_no_te() -> None:
+    """The one line that stands for megatron-core's TE / Apex warnings (filtered in
+    vitgraph/__init__.py): on a GPU the torch spec is the slower one."""
+    logging.getLogger("vitgraph").warning(
+        "model.spec=auto: Transformer Engine is not installed, so the torch spec runs (slower "
+        "on a GPU; pip install -e .[te], or the Docker image)")
 
 
 def _add_norm_params(linear, input_size: int, config) -> None:

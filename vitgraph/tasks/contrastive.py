@@ -203,7 +203,8 @@ class ContrastiveTask(Task):
         if self.classes and labelled.any():  # zero-shot over the labelled pairs
             templates = self.cfg.task.templates or TEMPLATES
             classes = class_embeddings(encode, self.tokenizer, self.classes, templates)
-            out["eval_top1"] = zero_shot_top1(image[labelled], classes, labels[labelled])
+            out["eval_zero_shot_top1"] = zero_shot_top1(image[labelled], classes,
+                                                        labels[labelled])
         recall = retrieval_recall(image, text, tokens=tokens)
         out.update({f"eval_{k}": v for k, v in recall.items()})
         return out

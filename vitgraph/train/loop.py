@@ -16,6 +16,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph import HARDWARE_QUEUES, hardware_queues
 from vitgraph.config import Config, save_config, validate_machine
+from vitgraph.convert.export_files import write_classes
 from vitgraph.data import MicrobatchLoader, build_datasets
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.models.vit import unwrap
@@ -129,6 +130,8 @@ class Trainer:
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.task = make_task(self.plan, cfg, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
+        if d.rank == 0 and not readonly:  # the class names an export carries
+            write_classes(self.run_dir, self.train_set.classes)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
@@ -443,8 +446,9 @@ def train(cfg: Config) -> dict:
 def _users_input(e: Exception) -> bool:
     """Errors the CLI reports as the user's input (exit 2) rather than a training failure."""
     from vitgraph.config import ConfigError
+    from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
-    return isinstance(e, (ConfigError, DataError, checkpoint.NoIntactCheckpoint))
+    return isinstance(e, (ConfigError, ConvertError, DataError, checkpoint.NoIntactCheckpoint))
 
 
 def _log_failure(cfg: Config, step) -> None:

@@ -1,0 +1,100 @@
+"""What an export says beside its weights: the input preprocessing and the class names.
+
+vitgraph's held-out images are decoded to RGB, their shorter side resized to the model's image
+size (bicubic) and center-cropped square (``vitgraph.data.imagefolder.resize_crop``; shards
+the same), scaled to [0, 1] and normalised with mean = std = 0.5 per channel
+(``vitgraph.data.loader.to_model_input``). A run whose ``data.render_size`` differs from the
+image size resizes once more (bilinear); an export states the final size.
+
+Every format carries it in the safetensors metadata (``preprocessing``, ``classes``, JSON);
+beside the file, ``hf`` writes ``config.json`` (``ViTConfig``, ``id2label`` / ``label2id``)
+and ``preprocessor_config.json``, ``timm`` writes ``config.json`` (timm's hub layout:
+``architecture``, ``model_args``, ``pretrained_cfg``, ``label_names``; with the weights named
+``model.safetensors``, ``timm.create_model("local-dir:DIR", pretrained=True)`` builds it).
+The class names are the run's data's (``classes.json`` in the run directory, written at the
+start of training); without them (or with another count than the head has) they are
+``LABEL_<i>`` for Hugging Face and left out for timm.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vitgraph.data.loader import MEAN, STD
+
+CLASSES_FILE = "classes.json"
+
+# vitgraph registry names that timm registers too; other sizes are built from timm's ViT-B/16
+# entry point with every size in model_args
+TIMM_NAMES = frozenset({"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_base_patch16_224",
+                        "vit_large_patch16_224", "vit_large_patch14_224", "vit_huge_patch14_224"})
+
+
+def write_classes(run_dir: Path, classes: list[str]) -> None:
+    path = Path(run_dir) / CLASSES_FILE
+    tmp = path.with_name(CLASSES_FILE + ".partial")
+    tmp.write_text(json.dumps(list(classes)) + "\n")
+    tmp.replace(path)
+
+
+def read_classes(run_dir: Path, num_classes: int | None = None) -> list[str] | None:
+    """The run's class names, if it stored them (and, given ``num_classes``, as many as the
+    head has)."""
+    path = Path(run_dir) / CLASSES_FILE
+    if not path.is_file():
+        return None
+    names = [str(n) for n in json.loads(path.read_text())]
+    return names if num_classes is None or len(names) == num_classes else None
+
+
+def preprocessing(image_size: int) -> dict:
+    return {"image_size": image_size, "resize": "shorter side, then center crop",
+            "interpolation": "bicubic", "scale": 1 / 255, "mean": list(MEAN), "std": list(STD)}
+
+
+def hf_config(arch, model_cfg, num_classes: int, classes: list[str] | None) -> dict:
+    """A transformers ``ViTConfig`` for the exported weights (ViTForImageClassification)."""
+    names = classes or [f"LABEL_{i}" for i in range(num_classes)]
+    return {"architectures": ["ViTForImageClassification"], "model_type": "vit",
+            "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
+            "num_attention_heads": arch.num_heads, "intermediate_size": arch.ffn_hidden_size,
+            "hidden_act": "gelu", "layer_norm_eps": model_cfg.layernorm_epsilon,
+            "image_size": arch.image_size, "patch_size": arch.patch_size, "num_channels": 3,
+            "qkv_bias": True, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+            "id2label": {str(i): n for i, n in enumerate(names)},
+            "label2id": {n: i for i, n in enumerate(names)}}
+
+
+def hf_preprocessor_config(image_size: int) -> dict:
+    """``preprocessor_config.json``: ``BitImageProcessor`` (as DINOv2's ViTs use) resizes the
+    shorter side and center-crops, as vitgraph does; ``ViTImageProcessor`` would stretch a
+    non-square image to the square instead."""
+    return {"image_processor_type": "BitImageProcessor", "do_convert_rgb": True,
+            "do_resize": True, "size": {"shortest_edge": image_size},
+            "resample": 3,  # PIL.Image.BICUBIC
+            "do_center_crop": True, "crop_size": {"height": image_size, "width": image_size},
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": list(MEAN), "image_std": list(STD)}
+
+
+def timm_config(name: str, arch, model_cfg, num_classes: int,
+                classes: list[str] | None) -> dict:
+    """timm's ``config.json`` for a ``VisionTransformer`` with these sizes."""
+    pool = "token" if model_cfg.pool == "cls" and model_cfg.class_token else "avg"
+    model_args = {"img_size": arch.image_size, "patch_size": arch.patch_size,
+                  "embed_dim": arch.hidden_size, "depth": arch.num_layers,
+                  "num_heads": arch.num_heads, "mlp_ratio": arch.ffn_hidden_size / arch.hidden_size,
+                  "class_token": model_cfg.class_token, "reg_tokens": model_cfg.num_registers,
+                  # vitgraph norms every token before pooling: timm's fc_norm would norm after
+                  "global_pool": pool, "fc_norm": False}
+    s = arch.image_size
+    pretrained_cfg = {"input_size": [3, s, s], "fixed_input_size": True,
+                      "interpolation": "bicubic", "crop_pct": 1.0, "crop_mode": "center",
+                      "mean": list(MEAN), "std": list(STD), "num_classes": num_classes,
+                      "first_conv": "patch_embed.proj", "classifier": "head"}
+    out = {"architecture": name if name in TIMM_NAMES else "vit_base_patch16_224",
+           "num_classes": num_classes, "num_features": arch.hidden_size, "global_pool": pool,
+           "model_args": model_args, "pretrained_cfg": pretrained_cfg}
+    if classes:
+        out["label_names"] = list(classes)
+    return out
