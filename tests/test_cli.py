@@ -103,7 +103,7 @@ def test_eval_of_a_missing_checkpoint_names_it(trained, capsys):
 
 def vitgraph_input(image, size):
     """vitgraph's held-out preprocessing of one PIL image: [1, 3, size, size] fp32."""
-    from vitgraph.data.imagefolder import resize_crop
+    from vitgraph.data.decode import resize_crop
     from vitgraph.data.loader import to_model_input
     return to_model_input(torch.tensor(resize_crop(image, size))[None], size, "cpu",
                           torch.float32)
@@ -228,7 +228,8 @@ def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, en
     """The message gives the file's and the config's sizes, what to set, and the file's own
     key names (timm's here), not vitgraph's."""
     from vitgraph.convert import from_vitgraph, read_checkpoint_weights, save_safetensors
-    sd = read_checkpoint_weights(trained)[0]  # 4 layers x 64
+    from vitgraph.train.checkpoint import checkpoint_dir
+    sd = read_checkpoint_weights(checkpoint_dir(trained))[0]  # 4 layers x 64
     path = save_safetensors(from_vitgraph(sd, "timm", 4), tmp_path / "w.safetensors")
     p = run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
             f"model.init_from={path}", "model.num_layers=2",

@@ -1,7 +1,7 @@
 """What an export says beside its weights: the input preprocessing and the class names.
 
 vitgraph's held-out images are decoded to RGB, their shorter side resized to the model's image
-size (bicubic) and center-cropped square (``vitgraph.data.imagefolder.resize_crop``; shards
+size (bicubic) and center-cropped square (``vitgraph.data.decode.resize_crop``; shards
 the same), scaled to [0, 1] and normalised with mean = std = 0.5 per channel
 (``vitgraph.data.loader.to_model_input``). A run whose ``data.render_size`` differs from the
 image size resizes once more (bilinear); an export states the final size.

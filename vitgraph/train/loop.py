@@ -130,7 +130,7 @@ class Trainer:
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.task = make_task(self.plan, cfg, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
-        if d.rank == 0 and not readonly:  # the class names an export carries
+        if d.rank == 0:  # the class names an export carries
             write_classes(self.run_dir, self.train_set.classes)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),

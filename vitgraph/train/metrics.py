@@ -32,9 +32,11 @@ class StepResult:
 
 
 def eval_line(evals: dict) -> str:
-    """'top1 0.9705 | loss 0.1234 | ...': a task's eval metrics, top-1 first."""
+    """'top1 0.9705 | loss 0.1234 | ...': a task's eval metrics, top-1 (a classifier's, or an
+    image-text pair's zero-shot) first."""
+    first = ("eval_top1", "eval_zero_shot_top1", "eval_loss")
     keys = sorted((k for k in evals if k.startswith("eval_") and k != "eval_images"),
-                  key=lambda k: (k != "eval_top1", k != "eval_loss", k))
+                  key=lambda k: (first.index(k) if k in first else len(first), k))
     return " | ".join(f"{k[5:]} {evals[k]:.4f}" for k in keys)
 
 
