@@ -16,9 +16,17 @@ import sys
 
 import torch
 
-from vitgraph.config import parse_steps
 from vitgraph.tasks.classification import ClassificationTask
 from vitgraph.tasks.contrastive import ContrastiveTask
+
+
+def parse_steps(text: str) -> set[int]:
+    """'5-7,9' -> {5, 6, 7, 9}; '' -> set()."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        steps.update(range(int(lo), int(hi or lo) + 1))
+    return steps
 
 
 @contextlib.contextmanager

@@ -104,7 +104,8 @@ def test_caption_dropout_in_the_task_starts_late_and_spares_held_out():
                              "train.steps=100"])
     cfg.train.global_batch_size = 64
     from vitgraph.plan import resolve_plan
-    d = types.SimpleNamespace(dp_rank=0, dp=1, pp=1, vpp=1, device="cpu", cuda=False)
+    d = types.SimpleNamespace(dp_rank=0, dp=1, tp=1, pp=1, vpp=1, device="cpu", cuda=False,
+                              graphs=None)
     task = ContrastiveTask(resolve_plan(cfg, d), cfg, d, total_steps=100)
     caps = ["a large white star", "a small dark blue L-shape"] * 32
     images = torch.zeros(64, 32, 32, 3, dtype=torch.uint8)

@@ -103,8 +103,9 @@ class DataConfig:
     # training-time augmentation, batched on the device (vitgraph/data/augment.py); off for
     # held-out data always
     augment: AugmentConfig = field(default_factory=AugmentConfig)
-    # webdataset: where JPEGs are decoded: cpu (PIL in `workers` threads), cuda (nvJPEG via
-    # torchvision, batched on the GPU), auto (cuda when CUDA and torchvision are there)
+    # where JPEGs are decoded (webdataset, and imagefolder with preload false): cpu (in
+    # `workers` threads), cuda (nvJPEG via torchvision, batched on the GPU, one step ahead),
+    # auto (cuda when CUDA and torchvision are there)
     decode: str = key("auto", choices=("cpu", "cuda", "auto"), resume_ok=True)
     # decode=cuda: this share of each microbatch is decoded in the loader's threads instead
     # (simplejpeg or PIL, at full size), the rest by nvJPEG; the GPU resizes all of them. On
@@ -158,10 +159,6 @@ class TrainConfig:
     # a step with a non-finite loss or gradient norm is skipped (weights and optimizer state
     # untouched); this many in a row stop the run with an error
     max_bad_steps: int = key(10, min=1, resume_ok=True)
-    # test-only fault injection: steps (1-based) whose loss is multiplied by NaN, e.g. "5" or
-    # "5-7,9". Leave empty
-    inject_nan_steps: str = key("", check=lambda v, _: _is_step_list(v),
-                                why="expected steps such as '5' or '5-7,9'", resume_ok=True)
 
 
 @dataclass
@@ -604,23 +601,6 @@ def validate_machine(cfg: Config, src: str = "<config>") -> None:
         if not (torch.cuda.is_available() and te_available()):
             raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
                               f"(pip install -e .[te]); use model.spec=torch or auto without them")
-
-
-def _is_step_list(text: str) -> bool:
-    try:
-        parse_steps(text)
-    except ValueError:
-        return False
-    return True
-
-
-def parse_steps(text: str) -> set[int]:
-    """'5-7,9' -> {5, 6, 7, 9}; '' -> set()."""
-    steps: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        steps.update(range(int(lo), int(hi or lo) + 1))
-    return steps
 
 
 def save_config(cfg: Config, path: Path) -> None:

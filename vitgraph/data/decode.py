@@ -156,7 +156,8 @@ def _decode_jpegs(batch: "EncodedImages", jpegs: list[int], device, decoder) -> 
     """The JPEGs of ``batch`` (indices ``jpegs``) as uint8 [3, H, W] on ``device``: one nvJPEG
     batch; if that fails (a damaged file), one by one, and a file nvJPEG cannot decode goes
     to PIL; one PIL cannot decode either is logged by name and trained as a grey image (the
-    reader already checked its header, so this is a damaged body)."""
+    reader saw JPEG magic bytes: a damaged file). A batch holding such a file pays the one-by-one
+    decode each time it is drawn."""
     decode = decoder or (lambda d: _nvjpeg(d, device))
     data = [batch.data[i] for i in jpegs]
     try:
