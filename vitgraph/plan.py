@@ -63,20 +63,20 @@ class Plan:
         return "bf16" if self.bf16 else "fp32"
 
 
-def choose_graphs(cfg: Config, d: Dist) -> GraphPath:
+def graph_path(cfg: Config, d: Dist) -> GraphPath:
     """The graph path of this run, and why (``graphs.enabled: auto`` resolved by
     vitgraph.graphs.auto): chosen once, before the process groups were made (they need it for
     NCCL's settings, the capture stream and the RNG)."""
     if d.graphs is not None:
         return d.graphs
-    from vitgraph.graphs.auto import choose_graphs as choose
-    return choose(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe, d.tp)
+    from vitgraph.graphs.auto import choose_graphs
+    return choose_graphs(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe, d.tp)
 
 
 def resolve_plan(cfg: Config, d: Dist) -> Plan:
     """``cfg`` resolved for this rank (``d``: the process groups, made already)."""
     t, m, p = cfg.train, cfg.model, cfg.parallel
-    graphs = choose_graphs(cfg, d)
+    graphs = graph_path(cfg, d)
     p2p = p2p_mode(d.pp, d.vpp, p.overlap_p2p_comm)
     kind = task_kind(cfg)
     spec = resolve_spec(m.spec)
