@@ -66,6 +66,23 @@ class ModelConfig:
 
 
 @dataclass
+class PackingConfig:
+    """data.resolution=native: each image at its own size and aspect ratio, packed with others
+    along the sequence into microbatches of a fixed token budget (vitgraph/data/packing.py)."""
+    # an image larger than this many patches is shrunk to the largest grid that fits (the
+    # NaFlex rule, aspect ratio kept); one smaller than min_patches is enlarged
+    max_patches: int = key(256, above=0)
+    min_patches: int = key(1, above=0)
+    # a pack's tokens: images (their class token and registers included) back to back, the
+    # rest padding. A multiple of 16 for FP8 and of tp with sequence parallel
+    tokens_per_microbatch: int = key(4096, above=0)
+    max_images: int = key(64, above=0)  # images in one pack at most
+    # images the packer looks ahead over when filling a step's packs (0: all of a step's
+    # packs' worth, max_images each); more fills packs better, fewer keeps the order closer
+    window: int = key(0, min=0)
+
+
+@dataclass
 class DataConfig:
     # shapes (embedded, procedural) | imagefolder | webdataset
     kind: str = key("shapes", choices=("shapes", "imagefolder", "webdataset"))
@@ -118,6 +135,12 @@ class DataConfig:
     # decoding, and on a GPU the copies to the device (pinned) and nvJPEG decode on a side
     # stream (vitgraph/data/prefetch.py). Changes no batch; off: made between steps
     prefetch: bool = True
+    # fixed: every image resized to model.image_size (square batches); native: each image at
+    # its own aspect ratio and size, packed along the sequence (data.packing). With native,
+    # train.micro_batch_size is 1 (a microbatch is one pack) and train.global_batch_size
+    # counts packs per step
+    resolution: str = key("fixed", choices=("fixed", "native"))
+    packing: PackingConfig = field(default_factory=PackingConfig)
 
 
 @dataclass
@@ -478,6 +501,34 @@ def _validate_contrastive(cfg: Config, err) -> None:
                                      "divisible by it")
 
 
+def _validate_native(cfg: Config, arch, err) -> None:
+    """data.resolution=native: the packing keys against each other, the model and the layout."""
+    k, t, p = cfg.data.packing, cfg.train, cfg.parallel
+    prefix = int(cfg.model.class_token) + cfg.model.num_registers
+    if k.min_patches > k.max_patches:
+        err("data.packing.min_patches", k.min_patches,
+            f"above data.packing.max_patches={k.max_patches}")
+    if k.tokens_per_microbatch < prefix + k.max_patches:
+        err("data.packing.tokens_per_microbatch", k.tokens_per_microbatch,
+            f"cannot hold one image of data.packing.max_patches={k.max_patches} patches and "
+            f"{prefix} class / register tokens")
+    if t.micro_batch_size != 1:
+        err("train.micro_batch_size", t.micro_batch_size,
+            "with data.resolution=native a microbatch is one pack: set it to 1 (the pack's size "
+            "is data.packing.tokens_per_microbatch; train.global_batch_size counts packs)")
+    if t.precision == "fp8" and k.tokens_per_microbatch % 16:
+        err("data.packing.tokens_per_microbatch", k.tokens_per_microbatch,
+            "FP8 GEMMs need a multiple of 16 tokens")
+    if p.sequence_parallel and k.tokens_per_microbatch % p.tp:
+        err("data.packing.tokens_per_microbatch", k.tokens_per_microbatch,
+            f"sequence parallel splits a pack's tokens over parallel.tp={p.tp} ranks: "
+            "not divisible by it")
+    if cfg.data.augment.mixes:
+        err("data.augment.mixup_alpha", cfg.data.augment.mixup_alpha,
+            "mixup / cutmix blend images of one size; at native resolution each image has its "
+            "own: set data.augment.mixup_alpha=0 cutmix_alpha=0")
+
+
 def validate(cfg: Config, src: str = "<config>") -> None:
     """Every key against its declaration (vitgraph.config_keys), then the rules between keys;
     nothing here depends on the machine or the launch (``check_layout`` takes the world size)."""
@@ -554,6 +605,9 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             and cfg.graphs.scope == "layer":
         err("graphs.impl", cfg.graphs.impl, "train.precision=fp8 with graphs needs graphs.impl=te "
                                              "(TE owns the FP8 scaling state around each replay)")
+
+    if cfg.data.resolution == "native":
+        _validate_native(cfg, arch, err)
 
     d = cfg.data
     if d.kind == "imagefolder":
