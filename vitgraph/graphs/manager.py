@@ -13,8 +13,10 @@ names do not change):
 
 * eager, counted by reason, when: still warming up (`warmup`), grad mode is off
   (`no_grad`) or the layer is in eval mode (`eval`) -- training graphs bake in dropout and
-  saved activations --, an argument is neither a tensor nor a plain constant
-  (`unsupported_arg`, e.g. megatron's PackedSeqParams), FP8 is active under impl local
+  saved activations --, an argument is neither a tensor, a plain constant nor a known
+  dataclass (`unsupported_arg`; megatron's PackedSeqParams is known: its cu_seqlens are
+  static inputs, its qkv_format and max_seqlen part of the key, see tree.py), FP8 is
+  active under impl local
   (`fp8_needs_te`), a shape first seen after the capture step under
   `on_new_shape: eager` (`unseen_shape`), or every slot of the shape is busy and
   max_slots are captured (`slots_exhausted`);

@@ -8,7 +8,8 @@ capture one (layer, key, slot) at a time:
 * TE's graphed function must take and return tensors only (TE before 2.13 crashed on the
   `None` a megatron TransformerLayer returns as its context). A private wrapper module
   takes only the tensor leaves of the call, rebuilds the real arguments (None kwargs,
-  flags) from the key's spec, and returns only the tensor leaves of the output;
+  flags, megatron's PackedSeqParams around its cu_seqlens leaves) from the key's spec, and
+  returns only the tensor leaves of the output;
   vitgraph puts the None / non-tensor leaves back afterwards. This works on every TE
   release, with or without TE's own fix.
 * One graph pool per slot, as in the local impl (slots are captured on demand, not in

@@ -1,0 +1,288 @@
+"""CPU tests: CUDA graphs over packed (native-resolution) inputs, through the rerun backend.
+
+Layer scope: megatron's PackedSeqParams is a supported layer argument -- its cu_seqlens are
+static inputs copied in before each replay, its qkv_format / max_seqlen part of the key --
+so one capture per layer serves every pack of a PackSpec. Step scope: a pack is a tuple of
+fixed-shape tensors, so one step graph serves every pack. The rerun backend reruns the
+captured function on the static inputs: a stale cu_seqlens (not copied in) would give the
+previous pack's attention pattern and fail the comparisons with eager below.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from vitgraph.data.packing import PackSpec, layout
+from vitgraph.graphs import GraphManager, GraphsConfig, RerunBackend, StepGraphs, tree
+
+SPEC = PackSpec(tokens=96, max_images=6, max_patches=24, num_prefix=1, patch_size=4)
+
+
+def random_pack(rng: random.Random, spec: PackSpec = SPEC):
+    """(coords, seg, cu_seqlens) of a pack of random grids (1 .. max_images images); its image
+    count is seg's largest slot + 1."""
+    grids, used = [], 0
+    for _ in range(rng.randint(1, spec.max_images)):
+        gh = rng.randint(1, 6)
+        gw = rng.randint(1, max(1, spec.max_patches // gh))
+        n = spec.image_tokens((gh, gw))
+        if used + n > spec.tokens:
+            break
+        grids.append((gh, gw))
+        used += n
+    return layout(grids, spec)[:3]
+
+
+def distinct_packs(n: int, seed: int) -> list:
+    """``n`` random packs, no two with the same layout."""
+    rng, out, seen = random.Random(seed), [], set()
+    while len(out) < n:
+        p = random_pack(rng)
+        if tuple(p[2].tolist()) not in seen:
+            seen.add(tuple(p[2].tolist()))
+            out.append(p)
+    return out
+
+
+def packed(cu: torch.Tensor, max_len: int = SPEC.max_len) -> PackedSeqParams:
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+class PackedLayer(nn.Module):
+    """A TransformerLayer stand-in: attention kept inside each cu_seqlens segment (fixed
+    shapes: the mask is built on the device from the offsets), megatron's signature and
+    (hidden, context) output; [T, 1, d] in and out."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, hidden_states, attention_mask=None, packed_seq_params=None):
+        p = packed_seq_params
+        assert p.qkv_format == "thd" and isinstance(p.max_seqlen_q, int)
+        x = hidden_states.squeeze(1)
+        t = x.shape[0]
+        pos = torch.arange(t, device=x.device)
+        seg_q = torch.searchsorted(p.cu_seqlens_q[1:].long(), pos, right=True)
+        seg_k = torch.searchsorted(p.cu_seqlens_kv[1:].long(), pos, right=True)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.t()) / p.max_seqlen_q ** 0.5
+        scores = scores.masked_fill(seg_q[:, None] != seg_k[None, :], float("-inf"))
+        y = torch.softmax(scores, dim=-1) @ v
+        return (x + self.proj(y)).unsqueeze(1), None
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 2, d: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(PackedLayer(d) for _ in range(n))
+
+    def forward(self, x, params):
+        h = x.unsqueeze(1)
+        for layer in self.layers:
+            h, _ = layer(h, attention_mask=None, packed_seq_params=params)
+        return h.squeeze(1)
+
+
+def manager(layers, **cfg):
+    cfg = {"enabled": True, "warmup_steps": 1, "capture_warmup_iters": 1, **cfg}
+    return GraphManager(GraphsConfig(**cfg), layers, backend=RerunBackend()).apply()
+
+
+def assert_grads_equal(a: nn.Module, b: nn.Module) -> None:
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+# ----------------------------------------------------------------------------------------------
+# the argument itself
+
+
+def test_packed_seq_params_flatten_to_their_tensors_and_a_hashable_spec():
+    cu = torch.tensor([0, 5, 9, 9], dtype=torch.int32)
+    p = packed(cu, 7)
+    leaves, spec = tree.flatten(((torch.ones(3),), {"packed_seq_params": p}))
+    assert len(leaves) == 2 and leaves[1] is cu  # cu_seqlens_kv is the same tensor: one leaf
+    hash(spec)
+    new = torch.tensor([0, 2, 9, 9], dtype=torch.int32)
+    (_, ), kw = tree.unflatten([torch.zeros(3), new], spec)
+    back = kw["packed_seq_params"]
+    assert type(back) is PackedSeqParams and back.qkv_format == "thd"
+    assert back.cu_seqlens_q is new and back.cu_seqlens_kv is new
+    assert (back.max_seqlen_q, back.max_seqlen_kv, back.cu_seqlens_q_padded) == (7, 7, None)
+    # the constants are the key: another max_seqlen is another graph, another pack is not
+    assert tree.flatten(packed(new, 7))[1] == tree.flatten(p)[1]
+    assert tree.flatten(packed(cu, 8))[1] != tree.flatten(p)[1]
+    apart = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(),
+                            max_seqlen_q=7, max_seqlen_kv=7)
+    assert len(tree.flatten(apart)[0]) == 2
+    with pytest.raises(tree.Unsupported, match="max_seqlen_q"):
+        tree.flatten(PackedSeqParams(qkv_format="thd", max_seqlen_q=[7]))
+
+
+# ----------------------------------------------------------------------------------------------
+# layer scope
+
+
+def inputs_for(n, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SPEC.tokens, d, generator=g) for _ in range(n)]
+
+
+def _run_packs(model, mgr, packs, xs):
+    """One step per pack: forward, backward; each step's output and gradients."""
+    outs = []
+    for step, ((_, _, cu), x0) in enumerate(zip(packs, xs)):
+        if mgr is not None:
+            mgr.step_begin(step)
+        x = x0.clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        y = model(x, packed(cu))
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append((y.detach().clone(), x.grad.clone(),
+                     [p.grad.clone() for p in model.parameters()]))
+    return outs
+
+
+@pytest.mark.parametrize("pool", ["slot", "shared"])
+def test_layer_graphs_over_packs_equal_eager(pool):
+    torch.manual_seed(0)
+    eager = Stack()
+    graphed = copy.deepcopy(eager)
+    mgr = manager(list(graphed.layers), pool=pool)
+    packs = distinct_packs(8, seed=1)
+    xs = inputs_for(len(packs))
+    for (y, gx, gp), (ye, gxe, gpe) in zip(_run_packs(graphed, mgr, packs, xs),
+                                            _run_packs(eager, None, packs, xs)):
+        torch.testing.assert_close(y, ye, rtol=0, atol=0)
+        torch.testing.assert_close(gx, gxe)
+        for a, b in zip(gp, gpe):
+            torch.testing.assert_close(a, b)
+    s = mgr.stats()
+    assert s["captures"] == 2 and s["eager_fallbacks"] == {"warmup": 2}, s
+
+
+@pytest.mark.parametrize("impl", ["local", "te"])
+def test_one_capture_per_layer_serves_a_hundred_packs(impl):
+    torch.manual_seed(1)
+    model = Stack(n=3)
+    ref = copy.deepcopy(model)
+    kw = {}
+    if impl == "te":
+        from test_graphs import _fake_te
+        kw["te_make_graphed_callables"] = _fake_te()
+    mgr = GraphManager(GraphsConfig(enabled=True, impl=impl, warmup_steps=2,
+                                    capture_warmup_iters=1), list(model.layers),
+                       backend=RerunBackend(), **kw).apply()
+    packs = distinct_packs(102, seed=2)
+    xs = inputs_for(len(packs))
+    last = _run_packs(model, mgr, packs, xs)[-1]
+    s = mgr.stats()
+    assert s["captures"] == 3 and s["slots"] == 3, s  # one per layer
+    assert s["replays"] == 3 * 100 and s["recaptures"] == {} and s["unseen_shapes"] == 0, s
+    assert s["eager_fallbacks"] == {"warmup": 6}, s  # the two warm-up steps only
+    # the last pack, replayed by graphs captured 100 packs earlier, equals eager on the same
+    # weights (each step only zeroes the gradients: no update)
+    y, gx, gp = _run_packs(ref, None, packs[-1:], xs[-1:])[0]
+    torch.testing.assert_close(last[0], y, rtol=0, atol=0)
+    torch.testing.assert_close(last[1], gx)
+    for a, b in zip(last[2], gp):
+        torch.testing.assert_close(a, b)
+
+
+def test_another_max_seqlen_is_another_capture_and_other_objects_stay_eager():
+    torch.manual_seed(2)
+    layer = PackedLayer()
+    mgr = manager([layer], warmup_steps=0)
+    mgr.step_begin(0)
+    x = torch.randn(SPEC.tokens, 1, 8)
+    cu = random_pack(random.Random(3))[2]
+    for max_len in (SPEC.max_len, SPEC.max_len, SPEC.max_len + 1):
+        y, _ = layer(x, packed_seq_params=packed(cu, max_len))
+        y.sum().backward()
+    s = mgr.stats()
+    assert s["captures"] == 2 and s["graph_sets"] == 2 and s["slots"] == 2, s
+
+    class Holder:  # an object that may hold tensors: a graph would bake in a stale one
+        qkv_format, max_seqlen_q = "thd", SPEC.max_len
+
+    bad = packed(cu)
+    bad.local_cp_size = Holder()
+    layer(x, packed_seq_params=bad)
+    assert mgr.stats()["eager_fallbacks"] == {"unsupported_arg": 1}
+
+
+# ----------------------------------------------------------------------------------------------
+# step scope
+
+
+class PackedClassifier(nn.Module):
+    """Patch rows -> embedding + per-token position lookup by coords -> packed layers ->
+    mean per image slot by seg (index_add: fixed shapes) -> logits [max_images, classes]."""
+
+    def __init__(self, d=8, classes=3, patch_dim=5):
+        super().__init__()
+        self.embed = nn.Linear(patch_dim, d)
+        self.pos = nn.Parameter(torch.randn(SPEC.max_patches, SPEC.max_patches, d) * 0.1)
+        self.stack = Stack(n=2, d=d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x, coords, seg, cu):
+        r, c = coords[:, 0].clamp(min=0), coords[:, 1]
+        h = self.embed(x) + self.pos[r, c] * (coords[:, 0] >= 0).unsqueeze(1)
+        h = self.stack(h, packed(cu))
+        m = SPEC.max_images
+        sums = torch.zeros(m + 1, h.shape[1]).index_add(0, seg, h)
+        count = torch.zeros(m + 1).index_add(0, seg, torch.ones(seg.shape[0]))
+        return self.head(sums[:m] / count[:m].clamp(min=1).unsqueeze(1))
+
+
+def _step_body(model, opt):
+    def body(inputs):
+        x, coords, seg, cu, labels = inputs[0]
+        opt.zero_grad(set_to_none=False)
+        logits = model(x, coords, seg, cu)
+        loss = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+        keep = (labels >= 0).float()
+        loss = (loss * keep).sum() / keep.sum().clamp(min=1)
+        loss.backward()
+        opt.step()
+        return [loss.detach()]
+    return body
+
+
+def _pack_inputs(pack, g):
+    coords, seg, cu = pack
+    n = int(seg[seg < SPEC.max_images].max()) + 1
+    labels = torch.full((SPEC.max_images,), -1, dtype=torch.int64)
+    labels[:n] = torch.randint(0, 3, (n,), generator=g)
+    return (torch.randn(SPEC.tokens, 5, generator=g), coords, seg, cu, labels)
+
+
+def test_step_graphs_serve_a_hundred_packs_and_equal_eager():
+    torch.manual_seed(3)
+    graphed = PackedClassifier()
+    eager = copy.deepcopy(graphed)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (graphed, eager)]
+    sg = StepGraphs(GraphsConfig(enabled=True, scope="step", warmup_steps=2),
+                    backend=RerunBackend())
+    body, body_e = _step_body(graphed, opts[0]), _step_body(eager, opts[1])
+    g = torch.Generator().manual_seed(5)
+    for step, pack in enumerate(distinct_packs(102, seed=4)):
+        inputs = [_pack_inputs(pack, g)]
+        sg.step_begin(step)
+        loss = sg.run(inputs, body)[0].clone()
+        loss_e = body_e(inputs)[0]
+        torch.testing.assert_close(loss, loss_e, rtol=0, atol=0)
+    for p, q in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    s = sg.stats()
+    assert (s["captures"], s["graphs"], s["unseen_shapes"]) == (1, 1, 0), s
+    assert s["replays"] == 100 and s["eager_fallbacks"] == {"eager_steps": 2}, s
