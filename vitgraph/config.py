@@ -42,6 +42,9 @@ class ModelConfig:
     num_registers: int = 0
     class_token: bool = True
     pool: str = key("cls", choices=("cls", "mean"))  # mean: over the patch tokens
+    # data.resolution=native: how the learned position grid is resampled to each image's
+    # patch grid (F.grid_sample per token); auto: bilinear for SigLIP towers, else bicubic
+    pos_interp: str = key("auto", choices=("auto", "bicubic", "bilinear"))
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-6

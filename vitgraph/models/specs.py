@@ -188,6 +188,9 @@ class SDPAttention(MegatronModule):
     drop-in core attention for the ``torch`` spec: [s, b, heads, d] in, [s, b, heads * d] out.
     With a padding mask ([b, 1, 1, s], True = masked key, megatron's convention) padded keys
     are left out; with a causal mask type a query sees only itself and earlier positions.
+    With ``packed_seq_params`` in the ``thd`` format (packed images, vitgraph.models.vit)
+    the query arrives squeezed, [t, heads, d], and attends only within its own segment of
+    ``cu_seqlens_q`` (a block-diagonal mask: the reference for TE's thd attention).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
@@ -201,8 +204,18 @@ class SDPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:  # [t, h, d]: one sequence of segments
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         keep = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        if thd:
+            from vitgraph.models.packed import block_diagonal
+            cu = packed_seq_params.cu_seqlens_q
+            if packed_seq_params.cu_seqlens_kv is not cu:  # no host read to compare them
+                raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
+            blocks = block_diagonal(cu, q.shape[2])
+            keep = blocks if keep is None else keep & blocks
         causal = self.causal
         if causal and keep is not None:  # SDPA takes one or the other: merge them
             s_q, s_k = q.shape[2], k.shape[2]
@@ -212,7 +225,8 @@ class SDPAttention(MegatronModule):
             q, k, v, attn_mask=keep, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return out[:, 0] if thd else out
 
 
 class _QuietUnknownMLP(logging.Filter):

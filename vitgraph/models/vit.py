@@ -20,6 +20,19 @@ learned query (SigLIP's multihead attention pooling, ``attn_pool``) and returns 
 itself. CLIP's ``ln_post`` is ``final_norm``: it normalises every token before pooling, which
 for the class token is the same as normalising the pooled token. The defaults build the
 classifier unchanged.
+
+Native resolution (``pack``, a vitgraph.data.packing.PackSpec): the input is one pack,
+``(x, coords, seg, cu_seqlens)`` (x [T, 3 p^2] normalised patch rows, the rest as the pack
+layout), and the output one row per image slot, [M, classes | embed_dim | d]. The same
+parameters as the fixed path: patch rows through the convolution's weight as a linear, the
+learned position grid resampled per token (vitgraph.models.packed), prefix tokens from the
+class token / register parameters and their position entries. The hidden states [T, 1, d]
+go through the TransformerBlock as one ``thd`` sequence (megatron's PackedSeqParams: TE's
+attention keeps the images apart by ``cu_seqlens``, the torch spec's SDPAttention by a
+block-diagonal mask); ``packed_attention="padded"`` instead runs M slots of max_len tokens as
+a dense [max_len, M, d] batch with a key-padding mask (for benchmarks). Every stage takes the
+pack's fields, a later pipeline stage [T (/ tp with sequence parallel), 1, d] from the one
+before it; pooling is per slot by ``seg``.
 """
 from __future__ import annotations
 
@@ -28,12 +41,14 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vitgraph.models import packed as pk
 from vitgraph.models.fused_norm import LayerNorm
 from vitgraph.models.registry import ViTArch
 
@@ -57,7 +72,8 @@ class ViT(MegatronModule):
                  pool: str = "cls", pre_process: bool = True, post_process: bool = True,
                  vp_stage: int | None = None, pad_to=None, ln_pre: bool = False,
                  head: str = "classifier", embed_dim: int | None = None,
-                 patch_bias: bool = True):
+                 patch_bias: bool = True, pack=None, packed_attention: str = "thd",
+                 pos_interp: str = "bicubic"):
         super().__init__(config=config)
         # read by megatron's Float16Module to find the first / last virtual stage: without it
         # the first chunk's input stayed fp32 under interleaving and its bf16 conv failed
@@ -112,6 +128,27 @@ class ViT(MegatronModule):
                 self.head = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
                 torch.nn.init.zeros_(self.head.weight)
                 torch.nn.init.zeros_(self.head.bias)
+        self.pack = None
+        if pack is not None:
+            self.use_pack(pack, packed_attention, pos_interp)
+
+    def use_pack(self, pack, attention: str = "thd", pos_interp: str = "bicubic") -> None:
+        """Take packs of ``pack`` (a PackSpec) from now on (see the module docstring); the
+        layers' mask type must suit ``attention``: none for thd, padding for padded."""
+        if pack.num_prefix != self.num_prefix or pack.patch_size != self.arch.patch_size:
+            raise ValueError(f"a pack of {pack.num_prefix} prefix tokens and patch "
+                             f"{pack.patch_size} for a ViT of {self.num_prefix} and "
+                             f"{self.arch.patch_size}")
+        if pos_interp not in pk.POS_INTERP:
+            raise ValueError(f"pos_interp {pos_interp!r}: {' | '.join(pk.POS_INTERP)}")
+        tokens = pk.pack_tokens(pack, attention)
+        sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        split = pack.max_len if attention == "padded" else tokens
+        if split % sp:
+            raise ValueError(f"sequence parallel splits {split} tokens over {sp} ranks")
+        self.pack, self.packed_attention, self.pos_interp = pack, attention, pos_interp
+        self.pack_len = tokens
+        self.pad_to = None  # a pack is its own fixed length
 
     def _prefix_params(self):
         return [p for p in (getattr(self, "cls_token", None), getattr(self, "registers", None))
@@ -155,6 +192,8 @@ class ViT(MegatronModule):
         return x.contiguous()
 
     def padded_len(self, micro_batch: int, seq_len: int | None = None) -> int:
+        if self.pack is not None:  # one pack a microbatch, whatever it holds
+            return self.pack_len
         s = seq_len or self.seq_len
         if self.pad_to is None:
             return s
@@ -168,7 +207,12 @@ class ViT(MegatronModule):
         mask = torch.arange(padded, device=device) >= s  # True: a padded key, masked out
         return mask.view(1, 1, 1, padded).expand(b, 1, 1, padded)
 
-    def forward(self, images: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, images: torch.Tensor | None = None, coords=None, seg=None,
+                cu_seqlens=None) -> torch.Tensor:
+        if self.pack is not None:
+            if isinstance(images, (tuple, list)):  # CLIP hands the pack on as one argument
+                images, coords, seg, cu_seqlens = images
+            return self._forward_packed(images, coords, seg, cu_seqlens)
         sp = self.config.sequence_parallel
         if self.pre_process:
             hidden = self.embed(images)
@@ -199,6 +243,57 @@ class ViT(MegatronModule):
             feats = hidden[0]
         else:
             feats = hidden[self.num_prefix:].mean(dim=0)
+        if hasattr(self, "proj"):
+            return self.proj(feats)
+        return self.head(feats)
+
+
+    def embed_packed(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+        """[T, 3 p^2] patch rows -> [T, d] tokens (vitgraph.models.packed.embed_tokens)."""
+        conv, pos, P = self.patch_embed, self.pos_embed, self.num_prefix
+        g = int(math.isqrt(pos.shape[1] - P))
+        prefix = None
+        if P:
+            prefix = torch.cat([t[0] for t in self._prefix_params()]) + pos[0, :P]
+        out = pk.embed_tokens(x, coords, conv.weight.reshape(conv.out_channels, -1), conv.bias,
+                              pos[0, P:].view(g, g, -1), prefix, self.pos_interp)
+        if hasattr(self, "ln_pre"):
+            out = self.ln_pre(out)
+        return out
+
+    def _forward_packed(self, x, coords, seg, cu_seqlens) -> torch.Tensor:
+        sp = self.config.sequence_parallel
+        spec, T, M = self.pack, self.pack_len, self.pack.max_images
+        padded = self.packed_attention == "padded"
+        L = spec.max_len
+        hidden = None
+        if self.pre_process:
+            hidden = self.embed_packed(x, coords)
+            hidden = hidden.view(M, L, -1).transpose(0, 1) if padded else hidden[:, None]
+            hidden = hidden.contiguous()
+            if sp:
+                hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
+        if padded:
+            mask, params = pk.key_padding_mask(seg, M, L), None
+        else:  # max_seqlen: a Python int of the spec, the same for every pack
+            mask, params = None, PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                max_seqlen_q=L, max_seqlen_kv=L)
+        hidden = self.decoder(hidden_states=hidden, attention_mask=mask,
+                              packed_seq_params=params)
+        if not self.post_process:
+            return hidden
+        if sp:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False)
+        hidden = hidden.transpose(0, 1).reshape(T, -1) if padded else hidden[:, 0]
+        hidden = self.final_norm(hidden)
+        if hasattr(self, "attn_pool"):
+            return pk.pool_attention(self.attn_pool, hidden, seg, coords, M)
+        if self.pool == "cls" and self.class_token:
+            feats = pk.pool_cls(hidden, cu_seqlens, M)
+        else:
+            feats = pk.pool_mean(hidden, seg, coords, M)
         if hasattr(self, "proj"):
             return self.proj(feats)
         return self.head(feats)

@@ -1,0 +1,199 @@
+"""The packed (native-resolution) ViT on CPU, fp32, torch spec, tiny widths: a pack of images
+of different grids equals each image run alone, forward and backward; position resampling;
+empty slots; the padded layout; packed SDPAttention."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitgraph.data.packing import PackSpec, assemble
+from vitgraph.models import packed as pk
+from vitgraph.models.registry import ViTArch
+
+from conftest import ROOT, world_of_one
+
+dist1 = world_of_one("torch")
+
+ARCH = ViTArch(hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, patch_size=4,
+               image_size=16)  # a 4 x 4 learned position grid
+GRIDS = [(3, 5), (4, 4), (2, 7), (6, 3)]
+POOLS = {  # pool -> (class token, registers, head, position interpolation)
+    "cls": (True, 2, "classifier", "bicubic"),
+    "mean": (True, 1, "classifier", "bilinear"),
+    "map": (False, 2, "map", "bicubic"),
+}
+
+
+def tower_config(d):
+    from vitgraph.models.build import transformer_config
+    from vitgraph.models.clip import tower_config as resize
+    from vitgraph.plan import resolve_plan
+    from vitgraph.config import load_config
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
+    base = transformer_config(resolve_plan(cfg, d), cfg.model, d)
+    return resize(base, hidden_size=ARCH.hidden_size, num_layers=ARCH.num_layers,
+                  num_heads=ARCH.num_heads, ffn_hidden_size=ARCH.ffn_hidden_size,
+                  activation="gelu", eps=1e-6)
+
+
+def spec_for(class_token, registers, max_images=5, tokens=96, max_patches=24):
+    return PackSpec(tokens=tokens, max_images=max_images, max_patches=max_patches,
+                    num_prefix=int(class_token) + registers, patch_size=ARCH.patch_size)
+
+
+def make_vit(d, pool, attention="thd", seed=0, **kw):
+    from vitgraph.models.specs import get_layer_spec
+    from vitgraph.models.vit import ViT
+    cls, regs, head, interp = POOLS[pool]
+    spec = spec_for(cls, regs, **kw)
+    torch.manual_seed(seed)
+    model = ViT(tower_config(d), get_layer_spec("torch", padding_mask=attention == "padded"),
+                ARCH, 7, num_registers=regs, class_token=cls,
+                pool="mean" if pool == "map" else pool, head=head, pack=spec,
+                packed_attention=attention, pos_interp=interp)
+    with torch.no_grad():  # away from the init's zeros (head) and ones (norms)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model, spec
+
+
+def images(grids, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (gh * gw, 3 * ARCH.patch_size ** 2), generator=g,
+                          dtype=torch.uint8) for gh, gw in grids]
+
+
+def pack_of(grids, spec, seed=1):
+    rows = images(grids, seed)
+    patches, coords, seg, cu, labels = assemble(rows, grids, list(range(len(grids))), spec)
+    return rows, (pk.normalise(patches, "cpu"), coords, seg, cu), labels
+
+
+def position_grid(model):
+    g = ARCH.image_size // ARCH.patch_size
+    return model.pos_embed[0, model.num_prefix:].view(g, g, -1)
+
+
+def alone(model, rows, grid):
+    """One image through the same parameters as a dense sequence of its own: the reference."""
+    gh, gw = grid
+    P, d = model.num_prefix, ARCH.hidden_size
+    conv = model.patch_embed
+    x = F.linear(pk.normalise(rows, "cpu"), conv.weight.reshape(d, -1), conv.bias)
+    src = position_grid(model).permute(2, 0, 1)[None]
+    where = F.affine_grid(torch.eye(2, 3, dtype=src.dtype)[None], (1, d, gh, gw),
+                          align_corners=False)
+    pos = F.grid_sample(src, where, mode=model.pos_interp, padding_mode="border",
+                        align_corners=False)[0].flatten(1).t()
+    tokens = x + pos
+    if P:
+        prefix = torch.cat([p[0] for p in model._prefix_params()]) + model.pos_embed[0, :P]
+        tokens = torch.cat([prefix, tokens])
+    h = model.final_norm(model.decoder(hidden_states=tokens[:, None], attention_mask=None)[:, 0])
+    if hasattr(model, "attn_pool"):
+        return model.attn_pool(h[None, P:])[0]
+    feats = h[0] if model.pool == "cls" else h[P:].mean(0)
+    return model.head(feats)
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_pack_equals_each_image_alone_forward_and_backward(dist1, pool):
+    model, spec = make_vit(dist1, pool)
+    rows, inputs, labels = pack_of(GRIDS, spec)
+    n = len(GRIDS)
+    out = model(*inputs)
+    assert out.shape[0] == spec.max_images and torch.isfinite(out).all()
+    weights = torch.randn(n, out.shape[1], generator=torch.Generator().manual_seed(3))
+    (out[:n] * weights).sum().backward()
+    packed_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    refs = torch.stack([alone(model, r, g) for r, g in zip(rows, GRIDS)])
+    torch.testing.assert_close(out[:n], refs, atol=1e-5, rtol=1e-5)
+    (refs * weights).sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(packed_grads[k], p.grad, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{k}: {m}")
+    assert packed_grads["pos_embed"].abs().sum() > 0
+
+
+def test_position_resampling_is_grid_sample_and_the_grid_at_its_size(dist1):
+    g = torch.randn(4, 4, 8)
+    spec = PackSpec(tokens=64, max_images=3, max_patches=30, num_prefix=1, patch_size=4)
+    grids = [(4, 4), (2, 6), (5, 3)]
+    _, coords, seg, _, _ = assemble(images(grids), grids, [0, 1, 2], spec)
+    for mode in pk.POS_INTERP:
+        got = pk.resample_positions(g, coords, mode)
+        for i, (gh, gw) in enumerate(grids):
+            own = (seg == i) & (coords[:, 0] >= 0)
+            where = F.affine_grid(torch.eye(2, 3)[None], (1, 8, gh, gw), align_corners=False)
+            ref = F.grid_sample(g.permute(2, 0, 1)[None], where, mode=mode,
+                                padding_mode="border", align_corners=False)
+            torch.testing.assert_close(got[own], ref[0].flatten(1).t(), atol=1e-5, rtol=1e-5)
+        # the trained grid itself, exactly where the image has the trained grid's size
+        torch.testing.assert_close(got[(seg == 0) & (coords[:, 0] >= 0)], g.reshape(16, 8),
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_square_images_match_the_fixed_path(dist1):
+    """A square image in a pack gives what the fixed-resolution forward gives: at the trained
+    size, and (bicubic) at another size, whose fixed path resizes the grid by F.interpolate."""
+    model, spec = make_vit(dist1, "cls")
+    for side in (4, 3):
+        rows = images([(side, side)])[0]
+        _, inputs, _ = pack_of([(side, side)], spec)
+        p = ARCH.patch_size
+        img = pk.normalise(rows, "cpu").view(side, side, 3, p, p).permute(2, 0, 3, 1, 4)
+        model.pack, pack = None, model.pack
+        try:
+            ref = model(img.reshape(1, 3, side * p, side * p))
+        finally:
+            model.pack = pack
+        torch.testing.assert_close(model(*inputs)[:1], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_empty_slots_and_an_empty_pack_are_finite(dist1, pool):
+    model, spec = make_vit(dist1, pool)
+    for grids in ([], [(2, 2)]):
+        _, inputs, labels = pack_of(grids, spec)
+        out = model(*inputs)
+        assert torch.isfinite(out).all(), grids
+        out[labels >= 0].sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        model.zero_grad()
+    valid = pk.slot_valid(inputs[2], spec.max_images)
+    assert valid.tolist() == [True] + [False] * (spec.max_images - 1)
+
+
+@pytest.mark.parametrize("pool", ["cls", "map"])
+def test_padded_layout_equals_the_pack(dist1, pool):
+    model, spec = make_vit(dist1, pool)
+    padded, _ = make_vit(dist1, pool, attention="padded")
+    padded.load_state_dict(model.state_dict())
+    rows, inputs, _ = pack_of(GRIDS, spec)
+    fields = pk.padded_layout(rows, GRIDS, list(range(len(GRIDS))), spec)
+    assert fields[0].shape[0] == spec.max_images * spec.max_len == padded.padded_len(1)
+    x = pk.normalise(fields[0], "cpu")
+    got = padded(x, *fields[1:4])
+    torch.testing.assert_close(got[:len(GRIDS)], model(*inputs)[:len(GRIDS)],
+                               atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_packed_sdpa_is_per_segment_sdpa(dist1):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from vitgraph.models.specs import MASKS, SDPAttention
+    attn = SDPAttention(tower_config(dist1), 1, MASKS[(False, False)], "self")
+    cu = torch.tensor([0, 5, 5, 12, 13, 20, 20], dtype=torch.int32)  # empty segments too
+    q, k, v = torch.randn(3, 20, 4, 8).unbind(0)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=7, max_seqlen_kv=7)
+    out = attn(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (20, 32)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        ref = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)))
+        torch.testing.assert_close(out[a:b], ref.transpose(0, 1).reshape(b - a, 32),
+                                   atol=1e-6, rtol=1e-6)

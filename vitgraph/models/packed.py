@@ -1,0 +1,192 @@
+"""The pieces of the packed (native-resolution) ViT forward that are not megatron's: per-token
+position resampling, prefix tokens, the block-diagonal attention mask of the torch spec,
+pooling per image slot, and the ``padded`` layout the benchmark compares packing against.
+
+A pack (vitgraph.data.packing) is ``T`` tokens of up to ``M`` images back to back; every
+function here takes the pack's fixed-shape fields (``coords`` [T, 4], ``seg`` [T],
+``cu_seqlens`` [S + 1]) and works with device ops of fixed shapes only: no host reads, no
+shape that depends on the data, so one CUDA graph serves every pack.
+
+Pooling sums over an image's tokens as a matrix product with the [M, T] slot-membership
+matrix: deterministic (no atomics), and one GEMM each way.
+
+The ``padded`` layout is what a fixed-shape graph needs without packing: image ``i`` in
+tokens ``[i L, (i + 1) L)`` (``L = spec.max_len``), its prefix, patches and then padding,
+run as a dense [L, M, d] batch with a key-padding mask. Its fields have the packed format,
+``cu_seqlens`` the slot starts, so embedding and pooling are shared.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vitgraph.data.packing import PackSpec
+
+ATTENTIONS = ("thd", "padded")
+POS_INTERP = ("bicubic", "bilinear")
+
+
+def pack_tokens(spec: PackSpec, attention: str = "thd") -> int:
+    """The tokens of one microbatch's layout: the pack budget, or M slots of max_len."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"packed attention {attention!r}: {' | '.join(ATTENTIONS)}")
+    return spec.tokens if attention == "thd" else spec.max_images * spec.max_len
+
+
+def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The attention segment of each of ``tokens`` tokens (empty segments skipped)."""
+    pos = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), pos, right=True)
+
+
+def block_diagonal(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[T, T] bool, True where query and key are in one segment (SDPA's keep mask)."""
+    s = segment_ids(cu_seqlens, tokens)
+    return s[:, None] == s[None, :]
+
+
+def resample_positions(grid: torch.Tensor, coords: torch.Tensor, mode: str) -> torch.Tensor:
+    """The learned position grid ``grid`` [G, G, d] at each token's patch: [T, d] (fp32 at
+    least).
+
+    Token (row, col) of a (gh, gw) grid samples the grid at the centre of its cell,
+    ((col + 0.5) / gw, (row + 0.5) / gh) in [0, 1]^2 (align_corners=False, border padding):
+    at gh = gw = G exactly the grid, otherwise the same numbers as F.interpolate of the grid
+    to (gh, gw) with this mode. Prefix and padding tokens get a value to be overwritten."""
+    if mode not in POS_INTERP:
+        raise ValueError(f"pos_interp {mode!r}: {' | '.join(POS_INTERP)}")
+    dtype = torch.promote_types(grid.dtype, torch.float32)
+    rc = coords[:, :2].clamp(min=0).to(dtype)
+    size = coords[:, 2:].clamp(min=1).to(dtype)
+    xy = ((2 * rc + 1) / size - 1).flip(-1)  # grid_sample wants (x, y) = (col, row)
+    src = grid.to(dtype).permute(2, 0, 1).unsqueeze(0)  # [1, d, G, G]
+    out = F.grid_sample(src, xy.view(1, 1, -1, 2), mode=mode, padding_mode="border",
+                        align_corners=False)
+    return out[0, :, 0].t()
+
+
+def embed_tokens(x: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, pos_grid: torch.Tensor, prefix: torch.Tensor | None,
+                 mode: str) -> torch.Tensor:
+    """[T, d] token embeddings of a pack: each patch row of ``x`` [T, 3 p^2] through the
+    patch embedding (``weight`` [d, 3 p^2]) plus its resampled position; a prefix token
+    (coords row -1 - k) is ``prefix[k]`` (class token / register + its position entry)."""
+    out = F.linear(x, weight, bias)
+    out = out + resample_positions(pos_grid, coords, mode).to(out.dtype)
+    if prefix is None:
+        return out
+    k = (-1 - coords[:, 0]).clamp(0, prefix.shape[0] - 1)
+    return torch.where((coords[:, 0] < 0)[:, None], prefix.to(out.dtype)[k], out)
+
+
+def slot_valid(seg: torch.Tensor, max_images: int) -> torch.Tensor:
+    """[M] bool: whether a slot holds an image (any token with its slot id)."""
+    hit = torch.zeros(max_images + 1, dtype=torch.bool, device=seg.device)
+    return hit.scatter(0, seg, torch.ones_like(seg, dtype=torch.bool))[:max_images]
+
+
+def membership(seg: torch.Tensor, coords: torch.Tensor, max_images: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """[M, T]: 1 where a token is a patch (not a prefix or padding token) of the slot's image."""
+    patch_seg = torch.where(coords[:, 0] >= 0, seg, max_images)
+    slots = torch.arange(max_images, device=seg.device)
+    return (patch_seg[None, :] == slots[:, None]).to(dtype)
+
+
+def pool_cls(hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_images: int) -> torch.Tensor:
+    """[M, d]: each slot's first token (its class token); an empty slot gets some token."""
+    idx = cu_seqlens[:max_images].long().clamp(max=hidden.shape[0] - 1)
+    return hidden[idx]
+
+
+def pool_mean(hidden: torch.Tensor, seg: torch.Tensor, coords: torch.Tensor,
+              max_images: int) -> torch.Tensor:
+    """[M, d]: the mean over each image's patch tokens (zero for an empty slot)."""
+    member = membership(seg, coords, max_images, hidden.dtype)
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    count = member.to(acc).sum(1, keepdim=True).clamp(min=1)
+    return ((member @ hidden).to(acc) / count).to(hidden.dtype)
+
+
+def pool_attention(pool, hidden: torch.Tensor, seg: torch.Tensor, coords: torch.Tensor,
+                   max_images: int) -> torch.Tensor:
+    """SigLIP's attention pooling (vitgraph.models.vit.AttentionPool ``pool``) per slot: its
+    learned query attends over each image's patch tokens alone, a softmax per segment by
+    scatter (max) and membership products (sums). [T, d] -> [M, d]; an empty slot pools
+    zeros through the MLP."""
+    t, d = hidden.shape
+    h = pool.heads
+    dh = d // h
+    q = pool.q(pool.latent).reshape(h, dh)
+    k, v = pool.kv(hidden).reshape(t, 2, h, dh).unbind(1)
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    logits = (k.to(acc) * q.to(acc)).sum(-1) * dh ** -0.5  # [T, h]
+    patch_seg = torch.where(coords[:, 0] >= 0, seg, max_images)
+    # the softmax is shift-invariant: the segment max needs no gradient
+    top = torch.full((max_images + 1, h), float("-inf"), device=hidden.device, dtype=acc)
+    top = top.scatter_reduce(0, patch_seg[:, None].expand(t, h), logits.detach(), "amax",
+                             include_self=False)
+    e = torch.exp(logits - top[patch_seg])  # each token's own segment max: finite
+    member = membership(seg, coords, max_images, acc)
+    den = (member @ e).clamp(min=1e-30)  # [M, h]
+    num = member @ (e[:, :, None] * v.to(acc)).reshape(t, d)  # [M, d]
+    out = (num.view(max_images, h, dh) / den[:, :, None]).reshape(max_images, d)
+    out = pool.proj(out.to(hidden.dtype))
+    return out + pool.fc2(pool.act(pool.fc1(pool.norm(out))))
+
+
+def normalise(patches: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
+    """uint8 patch rows [T, 3 p^2] ((c, y, x) order) -> normalised as the fixed path's images
+    ((v / 255 - mean) / std per channel) on ``device``."""
+    from vitgraph.data.loader import MEAN, STD
+    x = patches.to(device, non_blocking=True).float().div_(255.0)
+    per = x.shape[-1] // 3
+    mean = torch.tensor(MEAN, device=x.device).repeat_interleave(per)
+    std = torch.tensor(STD, device=x.device).repeat_interleave(per)
+    return ((x - mean) / std).to(dtype)
+
+
+def padded_layout(patches: list[torch.Tensor], grids: list[tuple[int, int]],
+                  labels: list[int], spec: PackSpec) -> tuple[torch.Tensor, ...]:
+    """(patches, coords, seg, cu_seqlens, labels) of ``grids``' images each in a slot of
+    ``spec.max_len`` tokens (the ``padded`` attention): M * max_len tokens, ``cu_seqlens``
+    the M + 1 slot boundaries, padding tokens seg = M and coords 0 as in a pack."""
+    M, L, P = spec.max_images, spec.max_len, spec.num_prefix
+    if len(grids) > M:
+        raise ValueError(f"{len(grids)} images for {M} slots")
+    T = M * L
+    out = torch.zeros(T, spec.patch_dim, dtype=torch.uint8)
+    coords = torch.zeros(T, 4, dtype=torch.int64)
+    seg = torch.full((T,), M, dtype=torch.int64)
+    for i, (rows, (gh, gw)) in enumerate(zip(patches, grids)):
+        n = gh * gw
+        if n > spec.max_patches or rows.shape != (n, spec.patch_dim):
+            raise ValueError(f"patch rows {tuple(rows.shape)} for a {gh}x{gw} grid "
+                             f"(at most {spec.max_patches} patches)")
+        at = i * L
+        seg[at:at + P + n] = i
+        coords[at:at + P + n, 2], coords[at:at + P + n, 3] = gh, gw
+        coords[at:at + P, 0] = -1 - torch.arange(P)
+        r = torch.arange(n)
+        coords[at + P:at + P + n, 0], coords[at + P:at + P + n, 1] = r // gw, r % gw
+        out[at + P:at + P + n] = rows
+    cu = (torch.arange(M + 1) * L).to(torch.int32)
+    lab = torch.full((M,), -1, dtype=torch.int64)
+    lab[:len(labels)] = torch.as_tensor(labels, dtype=torch.int64)
+    return out, coords, seg, cu, lab
+
+
+def key_padding_mask(seg: torch.Tensor, max_images: int, slot_len: int) -> torch.Tensor:
+    """[M, 1, 1, L] True = a masked key (megatron's convention): tokens of a slot that are not
+    its image's."""
+    own = seg.view(max_images, slot_len) == torch.arange(max_images, device=seg.device)[:, None]
+    return (~own).view(max_images, 1, 1, slot_len)
+
+
+def pack_flops(cu_seqlens: torch.Tensor, seg: torch.Tensor, max_images: int, per_token: float,
+               attention_per_token_pair: float) -> float:
+    """Training FLOPs of one pack on the host (from the raw CPU fields): sum over its images
+    of n (per_token + attention_per_token_pair * n), n an image's tokens with its prefix
+    (T (6N + 12 L d T) per image, docs/design.md)."""
+    n = torch.bincount(seg.cpu(), minlength=max_images + 1)[:max_images].double()
+    return float((n * (per_token + attention_per_token_pair * n)).sum())
