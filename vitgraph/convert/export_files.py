@@ -98,3 +98,27 @@ def timm_config(name: str, arch, model_cfg, num_classes: int,
     if classes:
         out["label_names"] = list(classes)
     return out
+
+
+def timm_naflex_config(arch, *, class_token: bool, num_registers: int, pool: str,
+                       activation: str, pos_interp: str, num_classes: int,
+                       classes: list[str] | None, ln_pre: bool = False) -> dict:
+    """timm's ``config.json`` for a ``NaFlexVit`` (``timm_naflex`` exports of a native run): a
+    SigLIP 2 NaFlex entry point (attention pooling) or the NaFlex ViT-B/16 one, with every
+    size and choice in ``model_args`` (vitgraph.convert.naflex.naflex_model_args)."""
+    from vitgraph.convert.naflex import naflex_model_args
+    args = naflex_model_args(arch, class_token=class_token, num_registers=num_registers,
+                             pool=pool, activation=activation, pos_interp=pos_interp,
+                             num_classes=num_classes, ln_pre=ln_pre)
+    args.pop("num_classes")
+    base = "naflexvit_base_patch16_siglip" if pool == "map" else "naflexvit_base_patch16_gap"
+    pretrained_cfg = {"input_size": [3, arch.image_size, arch.image_size],
+                      "fixed_input_size": False, "interpolation": "bicubic", "crop_pct": 1.0,
+                      "mean": list(MEAN), "std": list(STD), "num_classes": num_classes,
+                      "first_conv": "embeds.proj", "classifier": "head"}
+    out = {"architecture": base, "num_classes": num_classes,
+           "num_features": arch.hidden_size, "global_pool": args["global_pool"],
+           "model_args": args, "pretrained_cfg": pretrained_cfg}
+    if classes:
+        out["label_names"] = list(classes)
+    return out

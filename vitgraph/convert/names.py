@@ -1,6 +1,6 @@
 """Parameter names: vitgraph's (megatron-core's) <-> timm's and Hugging Face's ViT, and the
 dispatch over every format (open_clip: vitgraph.convert.openclip; Hugging Face CLIP / SigLIP
-pairs: vitgraph.convert.clip_hf).
+pairs: vitgraph.convert.clip_hf; timm's NaFlexVit, ``timm_naflex``: vitgraph.convert.naflex).
 
 Everything here works on the *full* model (tensor-parallel size 1, all pipeline stages) with
 global layer numbers: ``decoder.layers.{i}`` counts from 0 over the whole encoder.
@@ -25,7 +25,7 @@ from vitgraph.convert import tables
 from vitgraph.convert.tables import (ConvertError, Tower, check_empty, num_layers_of,  # noqa: F401
                                      qkv_from_megatron, qkv_to_megatron)
 
-FORMATS = ("vitgraph", "timm", "hf", "open_clip")
+FORMATS = ("vitgraph", "timm", "hf", "open_clip", "timm_naflex")
 
 _CLASSIFIER_OPTIONAL = frozenset({"cls_token", "registers", "head.weight", "head.bias"})
 
@@ -111,6 +111,8 @@ def detect_format(sd: dict) -> str:
 
     if has(r"(^|\.)decoder\.layers\.\d+\.self_attention\.linear_qkv\."):
         return "vitgraph"
+    if has(r"^embeds\.(proj\.weight|pos_embed)") and has(r"^blocks\.\d+\."):
+        return "timm_naflex"  # before timm: the same block names
     if has(r"^blocks\.\d+\.attn\.qkv\."):
         return "timm"
     if has(r"(^|\.)encoder\.layer\.\d+\.attention\.attention\.query\.") or \
@@ -209,6 +211,9 @@ def to_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = Non
     if fmt == "open_clip":
         from vitgraph.convert.openclip import open_clip_to_vitgraph
         return open_clip_to_vitgraph(sd, num_heads, text_heads)
+    if fmt == "timm_naflex":
+        from vitgraph.convert.naflex import naflex_to_vitgraph
+        return naflex_to_vitgraph(sd, num_heads)
     raise ConvertError(f"unknown weights format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
 
@@ -216,6 +221,12 @@ def name_in_file(fmt: str, ours: str) -> str:
     """One of our names as a ``fmt`` file calls it, for messages (ours where unknown)."""
     if fmt in ("timm", "hf"):
         return tables.their_name(TIMM if fmt == "timm" else HF, ours) or ours
+    if fmt == "timm_naflex":
+        from vitgraph.convert.naflex import NAFLEX
+        if ours in ("pos_embed", "visual.pos_embed"):
+            return "embeds.pos_embed"
+        return (tables.their_name(NAFLEX, ours)
+                or tables.their_name(NAFLEX, ours.removeprefix("visual.")) or ours)
     if fmt == "open_clip":
         from vitgraph.convert.openclip import TEXT, VISION
         return (tables.their_name(VISION, ours) or tables.their_name(VISION, "visual." + ours)
@@ -234,4 +245,7 @@ def from_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = N
     if fmt == "open_clip":
         from vitgraph.convert.openclip import vitgraph_to_open_clip
         return vitgraph_to_open_clip(sd, num_heads, text_heads)
+    if fmt == "timm_naflex":
+        from vitgraph.convert.naflex import vitgraph_to_naflex
+        return vitgraph_to_naflex(sd, num_heads)
     raise ConvertError(f"unknown weights format {fmt!r}; known: {', '.join(FORMATS)}")

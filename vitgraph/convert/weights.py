@@ -110,8 +110,10 @@ def expected_names(arch, num_prefix: int, class_token: bool, num_registers: int)
     return names
 
 
-def resize_pos_embed(pos: torch.Tensor, num_prefix: int, grid: int) -> torch.Tensor:
-    """[1, prefix + g*g, d] -> [1, prefix + grid*grid, d], the patch grid resized bicubically."""
+def resize_pos_embed(pos: torch.Tensor, num_prefix: int, grid: int,
+                     mode: str = "bicubic") -> torch.Tensor:
+    """[1, prefix + g*g, d] -> [1, prefix + grid*grid, d], the patch grid resized (bicubic, or
+    the model's ``pos_interp``: a native-resolution model resamples the grid with it)."""
     n = pos.shape[1] - num_prefix
     old = math.isqrt(n)
     if old * old != n:
@@ -121,7 +123,7 @@ def resize_pos_embed(pos: torch.Tensor, num_prefix: int, grid: int) -> torch.Ten
         return pos
     prefix, patches = pos[:, :num_prefix], pos[:, num_prefix:]
     patches = patches.reshape(1, old, old, -1).permute(0, 3, 1, 2).float()
-    patches = F.interpolate(patches, size=(grid, grid), mode="bicubic", align_corners=False)
+    patches = F.interpolate(patches, size=(grid, grid), mode=mode, align_corners=False)
     patches = patches.permute(0, 2, 3, 1).reshape(1, grid * grid, -1).to(pos.dtype)
     return torch.cat([prefix, patches], dim=1)
 
@@ -192,11 +194,13 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
             report["head_reinitialised"] = True
             continue
         if name in ("pos_embed", "visual.pos_embed") and value.shape != target.shape:
-            prefix = (vit.visual if pair else vit).num_prefix
+            enc = vit.visual if pair else vit
+            prefix = enc.num_prefix
             grid = math.isqrt(target.shape[1] - prefix)
             if value.shape[2] == target.shape[2]:
                 report["pos_embed_resized"] = (tuple(value.shape), tuple(target.shape))
-                value = resize_pos_embed(value, prefix, grid)
+                value = resize_pos_embed(value, prefix, grid, getattr(enc, "pos_interp", None)
+                                         or "bicubic")
         if value.shape != target.shape:
             raise ConvertError(f"{source}: {name_of(name)!r} has shape {tuple(value.shape)}, "
                                f"the model wants {tuple(target.shape)}")
@@ -269,7 +273,11 @@ def init_from(model, path: str, fmt: str = "auto") -> dict:
                 log.info("init: image tower only: %d tensors of the text tower and logit scale "
                          "not used", unused)
     heads, text_heads = heads_of(target)
-    sd = to_vitgraph(raw, fmt, heads, text_heads)
+    if fmt == "timm_naflex":  # a SigLIP tower's names go where the target has its tower
+        from vitgraph.convert.naflex import naflex_to_vitgraph
+        sd = naflex_to_vitgraph(raw, heads, tower=_is_pair(target))
+    else:
+        sd = to_vitgraph(raw, fmt, heads, text_heads)
     _check_size(sd, target, path)
     report = load_into_model(model, sd, source=str(path),
                              name_of=lambda name: name_in_file(fmt, name))
