@@ -15,10 +15,24 @@ import random
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from vitgraph.data.packing import PackSpec, layout
 from vitgraph.graphs import GraphManager, GraphsConfig, RerunBackend, StepGraphs, tree
+
+from conftest import ROOT, world_of_one
+
+dist1 = world_of_one("torch")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops: one intra-op thread (two threads on a shared 2-core machine spin)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 SPEC = PackSpec(tokens=96, max_images=6, max_patches=24, num_prefix=1, patch_size=4)
 
@@ -286,3 +300,124 @@ def test_step_graphs_serve_a_hundred_packs_and_equal_eager():
     s = sg.stats()
     assert (s["captures"], s["graphs"], s["unseen_shapes"]) == (1, 1, 0), s
     assert s["replays"] == 100 and s["eager_fallbacks"] == {"eager_steps": 2}, s
+
+
+# ----------------------------------------------------------------------------------------------
+# the packed ViT (vitgraph.models.vit, torch spec, fp32): megatron's TransformerLayers
+
+
+def packed_vit(d, seed=0, layers=2):
+    """A tiny classifier ViT taking packs of VIT_SPEC (class token + 2 registers)."""
+    from vitgraph.config import load_config
+    from vitgraph.models.build import transformer_config
+    from vitgraph.models.clip import tower_config
+    from vitgraph.models.registry import ViTArch
+    from vitgraph.models.specs import get_layer_spec
+    from vitgraph.models.vit import ViT
+    from vitgraph.plan import resolve_plan
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
+    config = tower_config(transformer_config(resolve_plan(cfg, d), cfg.model, d), hidden_size=16,
+                          num_layers=layers, num_heads=2, ffn_hidden_size=32, activation="gelu",
+                          eps=1e-6)
+    arch = ViTArch(16, layers, 2, 32, VIT_SPEC.patch_size, 4 * VIT_SPEC.patch_size)
+    torch.manual_seed(seed)
+    model = ViT(config, get_layer_spec("torch"), arch, 5, num_registers=2, class_token=True,
+                pool="mean", pack=VIT_SPEC, pos_interp="bicubic")
+    with torch.no_grad():  # away from the init's zeros (head) and ones (norms)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+VIT_SPEC = PackSpec(tokens=96, max_images=5, max_patches=20, num_prefix=3, patch_size=2)
+
+
+def vit_packs(n, seed):
+    """``n`` packs of distinct layouts as the task hands them to the model: (x normalised,
+    coords, seg, cu_seqlens, labels)."""
+    from vitgraph.data.packing import assemble
+    from vitgraph.models import packed as pk
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    out, seen = [], set()
+    while len(out) < n:
+        grids, used = [], 0
+        for _ in range(rng.randint(1, VIT_SPEC.max_images)):
+            gh = rng.randint(1, 5)
+            grid = (gh, rng.randint(1, VIT_SPEC.max_patches // gh))
+            if used + VIT_SPEC.image_tokens(grid) > VIT_SPEC.tokens:
+                break
+            grids.append(grid)
+            used += VIT_SPEC.image_tokens(grid)
+        rows = [torch.randint(0, 256, (gh * gw, VIT_SPEC.patch_dim), generator=g,
+                              dtype=torch.uint8) for gh, gw in grids]
+        labels = torch.randint(0, 5, (len(grids),), generator=g).tolist()
+        patches, coords, seg, cu, lab = assemble(rows, grids, labels, VIT_SPEC)
+        if tuple(cu.tolist()) in seen:
+            continue
+        seen.add(tuple(cu.tolist()))
+        out.append((pk.normalise(patches, "cpu"), coords, seg, cu, lab))
+    return out
+
+
+def vit_loss(model, pack):
+    x, coords, seg, cu, labels = pack
+    logits = model(x, coords, seg, cu)
+    keep = labels >= 0
+    return F.cross_entropy(logits[keep], labels[keep])
+
+
+def same_vit(d, seed=0):
+    """Two models with the same weights (megatron modules hold process groups: no deepcopy)."""
+    a, b = packed_vit(d, seed), packed_vit(d, seed + 1)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def test_packed_vit_layer_graphs_equal_eager_and_one_capture_serves_a_hundred_packs(dist1):
+    eager, graphed = same_vit(dist1)
+    mgr = GraphManager.for_model([graphed], {"enabled": True, "warmup_steps": 2,
+                                             "capture_warmup_iters": 1}, backend=RerunBackend())
+    assert len(mgr.layers) == 2
+    for step, pack in enumerate(vit_packs(102, seed=6)):
+        mgr.step_begin(step)
+        loss, loss_e = vit_loss(graphed, pack), vit_loss(eager, pack)
+        torch.testing.assert_close(loss, loss_e, rtol=1e-6, atol=1e-6)
+        if step % 25 == 0 or step == 101:  # the backward and its gradients, now and then
+            loss.backward()
+            loss_e.backward()
+            for (n, p), q in zip(graphed.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+            graphed.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+    s = mgr.stats()
+    assert s["captures"] == 2 and s["slots"] == 2, s  # one per layer, for every pack
+    assert s["recaptures"] == {} and s["unseen_shapes"] == 0, s
+    assert s["eager_fallbacks"] == {"warmup": 4}, s
+    # steps without a backward leave their slots busy: freed at the next step_begin
+    assert s["replays"] == 2 * 100 and s["leaked_slots"] > 0, s
+
+
+def test_packed_vit_step_graphs_equal_eager_over_a_hundred_packs(dist1):
+    eager, graphed = same_vit(dist1, seed=3)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (graphed, eager)]
+
+    def body_of(model, opt):
+        def body(inputs):
+            opt.zero_grad(set_to_none=False)
+            loss = vit_loss(model, inputs[0])
+            loss.backward()
+            opt.step()
+            return [loss.detach()]
+        return body
+
+    sg = StepGraphs(GraphsConfig(enabled=True, scope="step", warmup_steps=2),
+                    backend=RerunBackend())
+    body, body_e = body_of(graphed, opts[0]), body_of(eager, opts[1])
+    for step, pack in enumerate(vit_packs(102, seed=7)):
+        sg.step_begin(step)
+        loss = sg.run([pack], body)[0].clone()
+        torch.testing.assert_close(loss, body_e([pack])[0], rtol=0, atol=0)
+    for p, q in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    s = sg.stats()
+    assert (s["captures"], s["replays"], s["unseen_shapes"]) == (1, 100, 0), s
