@@ -197,3 +197,119 @@ def test_packed_sdpa_is_per_segment_sdpa(dist1):
         ref = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)))
         torch.testing.assert_close(out[a:b], ref.transpose(0, 1).reshape(b - a, 32),
                                    atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ plan, build, tasks
+
+NATIVE = ["model.spec=torch", "data.resolution=native", "data.packing.max_patches=24",
+          "data.packing.tokens_per_microbatch=96", "data.packing.max_images=5",
+          "train.micro_batch_size=1", "train.global_batch_size=2", "model.num_layers=1"]
+
+
+def native_config(path, *over):
+    from vitgraph.config import load_config
+    return load_config(ROOT / "configs" / path, [*NATIVE, *over])
+
+
+def test_plan_carries_the_pack_and_never_pads_it(dist1):
+    from vitgraph.models.build import build_model
+    from vitgraph.plan import resolve_plan
+    cfg = native_config("vit-tiny-shapes.yaml", "model.num_registers=2")
+    plan = resolve_plan(cfg, dist1)
+    assert plan.pack == PackSpec(tokens=96, max_images=5, max_patches=24, num_prefix=3,
+                                 patch_size=4) and not plan.pads
+    assert plan.pos_interp == "bicubic"
+    model = build_model(plan, cfg.model, dist1, 10, 0)[0]
+    assert model.pack == plan.pack and model.padded_len(1) == 96
+    fixed = resolve_plan(native_config("vit-tiny-shapes.yaml", "data.resolution=fixed"), dist1)
+    assert fixed.pack is None
+    pair = resolve_plan(native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
+                                      "task.context_length=32"), dist1)
+    assert pair.pack.num_prefix == 0 and pair.pos_interp == "bilinear"
+
+
+def raw_pack(spec, grids, labels, seed=1):
+    return assemble(images(grids, seed), grids, labels, spec)
+
+
+def test_classification_task_on_a_pack(dist1):
+    """prepare -> forward -> loss: the mean label-smoothed cross-entropy over the pack's
+    images (empty slots out), the stats vector over images, the FLOPs of a pack."""
+    from vitgraph.plan import resolve_plan
+    from vitgraph.tasks.classification import ClassificationTask
+    cfg = native_config("vit-tiny-shapes.yaml")
+    task = ClassificationTask(resolve_plan(cfg, dist1), cfg, dist1)
+    task.num_classes = 10
+    model = task.build_model()[0]
+    with torch.no_grad():
+        torch.nn.init.normal_(model.head.weight)
+    grids = [(3, 5), (4, 4), (2, 7)]
+    raw = raw_pack(task.pack, grids, [3, 1, 4])
+    inputs = task.prepare(raw, None, torch.device("cpu"), True)
+    assert [t.shape for t in inputs] == [(96, 48), (96, 4), (96,), (task.pack.num_segments + 1,),
+                                         (5,)]
+    out = task.forward(model, inputs)
+    loss, stats = task.loss(inputs, out)
+    ref = F.cross_entropy(out[:3], torch.tensor([3, 1, 4]), label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref)
+    correct = (out[:3].argmax(-1) == torch.tensor([3, 1, 4])).sum()
+    torch.testing.assert_close(stats, torch.stack([ref * 3, correct.float(), torch.tensor(3.)]))
+    per_token, pair = task.flops_per_token
+    n = torch.tensor([1 + 15, 1 + 16, 1 + 14], dtype=torch.float64)
+    assert task.pack_flops(raw) == pytest.approx(float((n * (per_token + pair * n)).sum()))
+    assert "packs of 96 tokens" in task.describe([model], 1)
+    empty = task.prepare(raw_pack(task.pack, [], []), None, torch.device("cpu"), True)
+    loss, stats = task.loss(empty, task.forward(model, empty))
+    assert loss.item() == 0.0 and stats.tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_contrastive_losses_with_empty_slots_equal_the_valid_pairs_alone(loss):
+    from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
+    g = torch.Generator().manual_seed(0)
+    image = F.normalize(torch.randn(6, 8, generator=g), dim=-1).requires_grad_()
+    text = F.normalize(torch.randn(6, 8, generator=g), dim=-1).requires_grad_()
+    valid = torch.tensor([True, False, True, True, False, True])
+    scale, bias = torch.tensor(10.0), torch.tensor(-2.0)
+    fn = (lambda i, t, **kw: clip_loss(i, t, scale, **kw)) if loss == "clip" else \
+        (lambda i, t, **kw: siglip_loss(i, t, scale, bias, **kw))
+    masked = fn(image, text, valid=valid)
+    masked.backward()
+    grads = image.grad.clone(), text.grad.clone()
+    image.grad = text.grad = None
+    alone = fn(image[valid], text[valid])
+    alone.backward()
+    torch.testing.assert_close(masked, alone)
+    torch.testing.assert_close(grads[0], image.grad)
+    torch.testing.assert_close(grads[1], text.grad)
+    none = fn(image, text, valid=torch.zeros(6, dtype=torch.bool))
+    assert none.item() == 0.0
+
+
+def test_contrastive_task_on_a_pack(dist1):
+    """A SigLIP pair's packed image tower: each slot's features equal the image alone in a
+    pack of its own, empty slots are fill_label and out of the loss."""
+    from vitgraph.plan import resolve_plan
+    from vitgraph.tasks.contrastive import ContrastiveTask
+    from vitgraph.tasks.contrastive_loss import siglip_loss
+    cfg = native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
+                        "task.context_length=32", "task.loss=siglip", "data.caption_dropout=0")
+    task = ContrastiveTask(resolve_plan(cfg, dist1), cfg, dist1)
+    model = task.build_model()[0]
+    grids = [(3, 5), (4, 4), (2, 7)]
+    tokens = torch.randint(1, 200, (5, 32), generator=torch.Generator().manual_seed(2))
+    raw = (*raw_pack(task.pack, grids, [3, -1, 4]), tokens)
+    inputs = task.prepare(raw, None, torch.device("cpu"), True)
+    assert inputs[-1].tolist() == [3, -1, 4, -2, -2]  # -1: unlabelled, kept; -2: no image
+    out = task.forward(model, inputs)
+    loss, stats = task.loss(inputs, out)
+    image, text, scale, bias = out
+    torch.testing.assert_close(loss, siglip_loss(image[:3], text[:3], scale, bias))
+    assert stats[2].item() == 3
+    for i, grid in enumerate(grids):
+        one = task.prepare((*raw_pack(task.pack, [grid], [0]), tokens), None, "cpu", True)
+        rows = images(grids)[i]
+        one[0][:grid[0] * grid[1]] = pk.normalise(rows, "cpu")
+        torch.testing.assert_close(task.forward(model, one)[0][0], image[i], atol=1e-5,
+                                   rtol=1e-5)
+    assert task.pack_flops(raw) > 3 * task.text_flops

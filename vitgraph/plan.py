@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from vitgraph.config import Config, ConfigError, task_kind
+from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath
 from vitgraph.models.build import token_multiple, use_fused_norm
-from vitgraph.models.registry import CLIPArch, ViTArch, resolve_arch, resolve_clip_arch
+from vitgraph.models.registry import (CLIP_MODELS, CLIPArch, ViTArch, resolve_arch,
+                                      resolve_clip_arch, resolve_pos_interp)
 from vitgraph.models.specs import resolve_spec
 from vitgraph.models.vit import sequence_length
 from vitgraph.parallel.setup import Dist, p2p_mode
@@ -38,6 +40,13 @@ class Plan:
     dp: int  # data-parallel size, from the process groups
     cuda: bool
     p2p: dict = field(default_factory=dict)  # megatron's p2p settings (parallel.setup.p2p_mode)
+    # data.resolution=native: the pack layout of every microbatch (None: fixed resolution)
+    pack: PackSpec | None = None
+    pos_interp: str = "bicubic"  # how a pack's images resample the position grid
+
+    @property
+    def native(self) -> bool:
+        return self.pack is not None
 
     @property
     def fp8(self) -> bool:
@@ -53,14 +62,33 @@ class Plan:
 
     @property
     def pads(self) -> bool:
-        """Whether training micro-batches pad their tokens (their layers get a padding mask)."""
-        return self.token_padding(self.micro_batch_size) > 1
+        """Whether training micro-batches pad their tokens (their layers get a padding mask).
+        Never a pack: its token budget is its length (a multiple of tp and of 16 for FP8, as
+        config validation makes sure), its padding attention segments of their own."""
+        return self.pack is None and self.token_padding(self.micro_batch_size) > 1
 
     @property
     def precision_name(self) -> str:
         if self.fp8:
             return f"fp8 ({self.fp8_recipe} scaling) + bf16"
         return "bf16" if self.bf16 else "fp32"
+
+
+def pack_spec(cfg: Config) -> PackSpec | None:
+    """The pack layout of a data.resolution=native run (None at fixed resolution): the
+    data.packing keys and the (image) encoder's patch size and prefix tokens (class token and
+    registers; an image-text pair's image tower has its registry's class token and none)."""
+    if cfg.data.resolution != "native":
+        return None
+    k, m = cfg.data.packing, cfg.model
+    if task_kind(cfg) == "contrastive" and m.name in CLIP_MODELS:
+        arch = resolve_clip_arch(m)
+        prefix, patch = int(arch.class_token), arch.vision.patch_size
+    else:
+        prefix, patch = int(m.class_token) + m.num_registers, resolve_arch(m).patch_size
+    return PackSpec(tokens=k.tokens_per_microbatch, max_images=k.max_images,
+                    max_patches=k.max_patches, num_prefix=prefix, patch_size=patch,
+                    min_patches=k.min_patches)
 
 
 def graph_path(cfg: Config, d: Dist) -> GraphPath:
@@ -89,10 +117,13 @@ def resolve_plan(cfg: Config, d: Dist) -> Plan:
     # the fused norms are decided on the image tower's tokens (for both towers of a pair)
     seq = sequence_length(arch, pair.class_token) if pair is not None \
         else sequence_length(arch, m.class_token, m.num_registers)
+    pack = pack_spec(cfg)
+    tokens = pack.tokens if pack is not None else t.micro_batch_size * seq
     return Plan(task=kind, arch=arch, pair=pair, spec=spec,
                 bf16=d.cuda if t.precision == "auto" else t.precision in ("bf16", "fp8"),
                 fp8_recipe=t.fp8_recipe if fp8 else None, micro_batch_size=t.micro_batch_size,
                 sequence_parallel=p.sequence_parallel,
                 sequence_parallel_tp=p.tp if p.sequence_parallel else 1,
-                fused_norm=use_fused_norm(m.fused_norm, fp8, t.micro_batch_size * seq),
-                graphs=graphs, dp=d.dp, cuda=d.cuda, p2p=p2p)
+                fused_norm=use_fused_norm(m.fused_norm, fp8, tokens),
+                graphs=graphs, dp=d.dp, cuda=d.cuda, p2p=p2p, pack=pack,
+                pos_interp=resolve_pos_interp(m))

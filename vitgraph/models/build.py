@@ -84,13 +84,21 @@ def transformer_config(plan, model_cfg, d) -> TransformerConfig:
     )
 
 
-def build_model(plan, model_cfg, d, num_classes: int, seed: int) -> list[ViT]:
+def build_model(plan, model_cfg, d, num_classes: int, seed: int,
+                packed_attention: str = "thd") -> list[ViT]:
     """This rank's classifier chunks: one per virtual pipeline stage (a list of one without).
-    ``num_classes``: the head's (model.num_classes, when set, wins); ``seed``: the weights'."""
+    ``num_classes``: the head's (model.num_classes, when set, wins); ``seed``: the weights'.
+    With ``plan.pack`` (data.resolution=native) the chunks take packs: ``packed_attention``
+    thd (the images of a pack as attention segments) or padded (each image in a slot of
+    max_len tokens with a key mask: what a fixed-shape graph needs without packing, for
+    benchmarks; its microbatches come from vitgraph.models.packed.padded_layout)."""
     config = transformer_config(plan, model_cfg, d)
+    pack = getattr(plan, "pack", None)
     # the padding mask costs a little in attention: only layers that may see padding get it
-    # (eval batches of other sizes are filled up instead: vitgraph.train.evaluate)
-    layer_spec = get_layer_spec(plan.spec, padding_mask=plan.pads, fused_norm=plan.fused_norm)
+    # (eval batches of other sizes are filled up instead: vitgraph.train.evaluate). A thd
+    # pack needs none (megatron asks TE for its padding mask type itself)
+    padding = plan.pads if pack is None else packed_attention == "padded"
+    layer_spec = get_layer_spec(plan.spec, padding_mask=padding, fused_norm=plan.fused_norm)
     chunks = []
     for vp in range(d.vpp):
         first = d.is_first_stage and vp == 0
@@ -99,7 +107,9 @@ def build_model(plan, model_cfg, d, num_classes: int, seed: int) -> list[ViT]:
                     num_registers=model_cfg.num_registers, class_token=model_cfg.class_token,
                     pool=model_cfg.pool, pre_process=first, post_process=last,
                     vp_stage=vp if d.vpp > 1 else None,
-                    pad_to=plan.token_padding if plan.pads else None)
+                    pad_to=plan.token_padding if plan.pads else None, pack=pack,
+                    packed_attention=packed_attention,
+                    pos_interp=getattr(plan, "pos_interp", "bicubic"))
         init_weights(chunk, seed, tp_rank=d.tp_rank, tp_size=d.tp)
         chunks.append(chunk)
     return chunks

@@ -183,7 +183,7 @@ def key_padding_mask(seg: torch.Tensor, max_images: int, slot_len: int) -> torch
     return (~own).view(max_images, 1, 1, slot_len)
 
 
-def pack_flops(cu_seqlens: torch.Tensor, seg: torch.Tensor, max_images: int, per_token: float,
+def pack_flops(seg: torch.Tensor, max_images: int, per_token: float,
                attention_per_token_pair: float) -> float:
     """Training FLOPs of one pack on the host (from the raw CPU fields): sum over its images
     of n (per_token + attention_per_token_pair * n), n an image's tokens with its prefix

@@ -34,6 +34,10 @@ MODELS: dict[str, ViTArch] = {
     "vit_large_patch16_224": _arch(1024, 24, 16, 16, 224),
     "vit_large_patch14_224": _arch(1024, 24, 16, 14, 224),
     "vit_huge_patch14_224": _arch(1280, 32, 16, 14, 224, mlp_ratio=4),
+    # SigLIP's shape-optimised 400M tower (timm vit_so400m_patch14_siglip_224 /
+    # vit_so400m_patch16_siglip_256): the image encoder of many VLMs
+    "vit_so400m_patch14_224": ViTArch(1152, 27, 16, 4304, 14, 224),
+    "vit_so400m_patch16_256": ViTArch(1152, 27, 16, 4304, 16, 256),
 }
 
 ALIASES = {
@@ -42,6 +46,8 @@ ALIASES = {
     "vit_l14_224": "vit_large_patch14_224",
     "vit_h14_224": "vit_huge_patch14_224",
     "vit_s16_224": "vit_small_patch16_224",
+    "vit_so400m14_224": "vit_so400m_patch14_224",
+    "vit_so400m16_256": "vit_so400m_patch16_256",
 }
 
 
@@ -98,11 +104,18 @@ class CLIPArch:
     patch_bias: bool = False       # OpenAI CLIP's patch embedding has no bias
     init_logit_scale: float = math.log(1 / 0.07)
     init_logit_bias: float | None = None  # set: the model has a learnable bias (SigLIP loss)
+    # data.resolution=native, model.pos_interp=auto: how the position grid is resampled
+    pos_interp: str = "bicubic"
 
 
 def _text(width, depth, heads, vocab=49408, context=77, **kw):
     return TextArch(vocab, context, width, depth, heads, 4 * width, **kw)
 
+
+# the SigLIP layout: no class token, attention pooling, tanh GELU, sigmoid loss with a bias
+_SIGLIP = dict(activation="gelu_tanh", layernorm_epsilon=1e-6, class_token=False,
+               vision_pool="map", ln_pre=False, patch_bias=True,
+               init_logit_scale=math.log(10), init_logit_bias=-10.0, pos_interp="bilinear")
 
 CLIP_MODELS: dict[str, CLIPArch] = {
     # 2-CPU-core pair for the embedded shapes data: byte-level tokenizer (259 ids); its
@@ -116,7 +129,7 @@ CLIP_MODELS: dict[str, CLIPArch] = {
                                       activation="gelu_tanh", layernorm_epsilon=1e-6,
                                       class_token=False, vision_pool="map", ln_pre=False,
                                       patch_bias=True, init_logit_scale=math.log(10),
-                                      init_logit_bias=-10.0),
+                                      init_logit_bias=-10.0, pos_interp="bilinear"),
     # OpenAI CLIP sizes (QuickGELU, as its released weights were trained)
     "clip_vit_b16": CLIPArch(512, _arch(768, 12, 12, 16, 224), _text(512, 12, 8),
                              activation="quick_gelu"),
@@ -133,7 +146,17 @@ CLIP_MODELS: dict[str, CLIPArch] = {
                                activation="gelu_tanh", layernorm_epsilon=1e-6,
                                class_token=False, vision_pool="map", ln_pre=False,
                                patch_bias=True, init_logit_scale=math.log(10),
-                               init_logit_bias=-10.0),
+                               init_logit_bias=-10.0, pos_interp="bilinear"),
+    # SigLIP so400m/14 (HF google/siglip-so400m-patch14-224 and -384; open_clip
+    # ViT-SO400M-14-SigLIP(-384)): the 1152-wide towers, MLP 4304, 16 text positions at 224
+    "siglip_so400m_patch14_224": CLIPArch(1152, ViTArch(1152, 27, 16, 4304, 14, 224),
+                                          TextArch(32000, 16, 1152, 27, 16, 4304, causal=False,
+                                                   pool="last", proj_bias=True),
+                                          **_SIGLIP),
+    "siglip_so400m_patch14_384": CLIPArch(1152, ViTArch(1152, 27, 16, 4304, 14, 384),
+                                          TextArch(32000, 64, 1152, 27, 16, 4304, causal=False,
+                                                   pool="last", proj_bias=True),
+                                          **_SIGLIP),
 }
 
 
@@ -147,3 +170,13 @@ def resolve_clip_arch(model_cfg) -> CLIPArch:
     """An image-text pair with the config's model.* size overrides applied to its image tower."""
     arch = get_clip_arch(model_cfg.name)
     return dataclasses.replace(arch, vision=_override(arch.vision, model_cfg))
+
+
+def resolve_pos_interp(model_cfg) -> str:
+    """model.pos_interp with auto resolved: the pair's (bilinear for SigLIP), else bicubic."""
+    mode = getattr(model_cfg, "pos_interp", "auto")
+    if mode != "auto":
+        return mode
+    if model_cfg.name in CLIP_MODELS:
+        return CLIP_MODELS[model_cfg.name].pos_interp
+    return "bicubic"

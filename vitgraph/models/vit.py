@@ -336,6 +336,14 @@ def vit_flops_per_image(a: ViTArch, num_prefix: int, num_classes: int,
     return t * (6 * n + 12 * a.num_layers * a.hidden_size * t)
 
 
+def vit_flops_per_token(a: ViTArch, num_prefix: int, num_classes: int) -> tuple[float, float]:
+    """Training FLOPs of a packed token, as (per token, per token and attended token): an
+    image of n tokens (prefix included) costs n (6N + 12 L d n), the fixed path's formula, so
+    a pack costs the sum over its images (vitgraph.models.packed.pack_flops)."""
+    n = vit_param_count(a, num_prefix, num_classes)
+    return 6.0 * n, 12.0 * a.num_layers * a.hidden_size
+
+
 def vit_param_count(a: ViTArch, num_prefix: int, num_classes: int) -> int:
     d, f = a.hidden_size, a.ffn_hidden_size
     layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # qkv, proj, fc1, fc2, 2 layer norms

@@ -1,13 +1,19 @@
 """Image classification: the ViT with a class head, cross-entropy with optional label smoothing
-and mixed (mixup / cutmix) targets, held-out loss and top-1."""
+and mixed (mixup / cutmix) targets, held-out loss and top-1.
+
+At native resolution (plan.pack) a microbatch is one pack (vitgraph.data.packing): prepared
+as (x [T, 3 p^2] normalised and augmented, coords, seg, cu_seqlens, labels [M]) on the
+device, the model's output is one row per image slot, and the loss, top-1 and counts are
+over the slots holding an image (label -1: an empty slot)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from vitgraph.data.augment import BatchAugment, prepare_batch
+from vitgraph.models import packed as pk
 from vitgraph.models.build import build_model
-from vitgraph.models.vit import vit_flops_per_image
+from vitgraph.models.vit import vit_flops_per_image, vit_flops_per_token
 from vitgraph.tasks.base import Task, reduce_stats, stats
 
 
@@ -19,23 +25,41 @@ class ClassificationTask(Task):
         self.arch = plan.arch
         self.image_size = self.arch.image_size
         self.augment = None
+        self.pack = getattr(plan, "pack", None)
+        self.flops_per_token = (0.0, 0.0)  # native: (per token, per token pair); see pack_flops
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
         cfg = self.cfg
-        if cfg.data.augment.enabled:
+        if cfg.data.augment.enabled and self.pack is None:
             self.augment = BatchAugment(cfg.data.augment, self.image_size, self.num_classes,
                                         cfg.train.label_smoothing, cfg.train.seed, self.d.dp_rank)
 
     def build_model(self) -> list:
         chunks = build_model(self.plan, self.cfg.model, self.d, self.num_classes,
                              self.cfg.train.seed)
-        self.flops_per_sample = vit_flops_per_image(self.arch, chunks[0].num_prefix,
-                                                    self.num_classes)
+        classes = self.cfg.model.num_classes or self.num_classes
+        if self.pack is not None:  # images of every size: FLOPs are counted per pack
+            self.flops_per_token = vit_flops_per_token(self.arch, chunks[0].num_prefix, classes)
+        else:
+            self.flops_per_sample = vit_flops_per_image(self.arch, chunks[0].num_prefix,
+                                                        self.num_classes)
         return chunks
+
+    def pack_flops(self, raw) -> float:
+        """Training FLOPs of one raw pack (its CPU fields, as the loader gives them)."""
+        return pk.pack_flops(raw[2], self.pack.max_images, *self.flops_per_token)
 
     def describe(self, chunks: list, micro_batch: int) -> str:
         m = chunks[0]
+        if self.pack is not None:
+            k = self.pack
+            return (f"{self.cfg.model.name}, spec {self.plan.spec}, "
+                    f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this "
+                    f"rank, packs of {m.padded_len(1)} tokens ({m.packed_attention}: at most "
+                    f"{k.max_images} images of <= {k.max_patches} patches + {k.num_prefix} "
+                    f"prefix tokens), {self.flops_per_token[0] / 1e9:.3f} GFLOP/token + "
+                    f"{self.flops_per_token[1] / 1e6:.3f} MFLOP/token pair in attention (train)")
         padded = m.padded_len(micro_batch)
         return (f"{self.cfg.model.name}, spec {self.plan.spec}, "
                 f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this rank, "
@@ -47,6 +71,8 @@ class ClassificationTask(Task):
         return chunks[0].padded_len(micro_batch)
 
     def prepare(self, raw, key, device, first_stage):
+        if self.pack is not None:
+            return prepare_pack(raw, key, device, first_stage, self.cfg, self.d)
         images, labels = raw[0], raw[1]
         # Float16Module casts to bf16 on GPU; keep fp32 here. Targets may come back mixed (soft)
         x, targets = prepare_batch(self.augment, images, labels, key, self.image_size, device,
@@ -54,9 +80,13 @@ class ClassificationTask(Task):
         return x, targets, labels.to(device, non_blocking=True)
 
     def forward(self, model, inputs):
+        if self.pack is not None:
+            return model(*inputs[:4])
         return model(inputs[0])
 
     def loss(self, inputs, output):
+        if self.pack is not None:
+            return self._pack_loss(inputs[-1], output)
         _, targets, labels = inputs
         output = output.float()
         valid = labels >= 0  # -1: a sample that only fills an eval microbatch
@@ -68,6 +98,17 @@ class ClassificationTask(Task):
         # the schedule divides `loss` in place by the number of microbatches: count a clone
         return loss, stats(loss.detach().clone() * n, correct, n)
 
+    def _pack_loss(self, labels, output):
+        """Mean cross-entropy over a pack's images; an empty pack gives 0, not 0 / 0."""
+        output = output.float()
+        valid = labels >= 0
+        n = valid.sum()
+        per = F.cross_entropy(output, labels, label_smoothing=self.cfg.train.label_smoothing,
+                              ignore_index=-1, reduction="none")
+        loss = per.sum() / n.clamp(min=1)
+        correct = ((output.argmax(-1) == labels) & valid).sum()
+        return loss, stats(loss.detach().clone() * n, correct, n)
+
     def eval_outputs(self, inputs, output):
         return {"stats": self.loss(inputs, output)[1]}
 
@@ -76,3 +117,24 @@ class ClassificationTask(Task):
         loss_sum, correct, n = reduce_stats(total, self.d).tolist()
         return {"eval_loss": loss_sum / max(n, 1), "eval_top1": correct / max(n, 1),
                 "eval_images": int(n)}
+
+
+def prepare_pack(raw, key, device, first_stage: bool, cfg, d) -> tuple:
+    """One raw pack (patches, coords, seg, cu_seqlens, labels, ...) as the packed model takes
+    it on ``device``: (x or None on a later pipeline stage, coords, seg, cu_seqlens, labels,
+    ...). The patches are normalised and, for a training ``key``, augmented per image by
+    vitgraph.data.native.pack_inputs where it exists (plain normalising otherwise)."""
+    try:
+        from vitgraph.data.native import pack_inputs
+    except ImportError:
+        pack_inputs = None
+    if pack_inputs is not None:
+        out = tuple(pack_inputs(raw[:5], device, cfg.data.augment, key, cfg.train.seed,
+                                d.dp_rank))[:5]
+        if not first_stage:
+            out = (None, *out[1:])
+    else:
+        coords, seg, cu, labels = (t.to(device, non_blocking=True) for t in raw[1:5])
+        x = pk.normalise(raw[0], device) if first_stage else None
+        out = (x, coords, seg, cu, labels)
+    return (*out, *(t.to(device, non_blocking=True) for t in raw[5:]))

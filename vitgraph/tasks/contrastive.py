@@ -12,6 +12,10 @@
   master copy of the optimizer included (megatron's ``main_param``).
 * Held-out: image and text features of the whole split, gathered over data-parallel ranks;
   zero-shot top-1 from class-name prompts (templates averaged) and image<->text recall@1/5.
+* Native resolution (plan.pack): a microbatch is one pack of images with their captions
+  ([M, ctx] token ids, one per image slot); the image tower runs packed, the text tower on
+  every slot, and empty slots (no image tokens) are left out of the loss (``valid``,
+  vitgraph.tasks.contrastive_loss) and marked ``fill_label`` for the held-out metrics.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from megatron.core import parallel_state as ps
 
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.data import DataError
+from vitgraph.models import packed as pk
 from vitgraph.models.build import transformer_config
 from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
 from vitgraph.models.vit import unwrap
@@ -78,6 +83,9 @@ class ContrastiveTask(Task):
         self.loss_name = loss
         self.augment = None
         self.classes: list[str] = []
+        self.pack = getattr(plan, "pack", None)
+        self.flops_per_token = (0.0, 0.0)  # native: the image tower's, see pack_flops
+        self.text_flops = 0.0  # one caption through the text tower
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
@@ -94,7 +102,7 @@ class ContrastiveTask(Task):
             elif ds.tokens is None:
                 ds.tokens = self.tokenizer(ds.captions)
         a = self.cfg.data.augment
-        if a.enabled:  # crops, flips, RandAugment, erasing; no label mixing (validated)
+        if a.enabled and self.pack is None:  # crops, flips, RandAugment, erasing (no mixing)
             self.augment = BatchAugment(a, self.image_size, self.num_classes, 0.0,
                                         self.cfg.train.seed, self.d.dp_rank)
 
@@ -108,21 +116,41 @@ class ContrastiveTask(Task):
                            context_length=self.context_length,
                            pad_to=plan.token_padding if plan.pads else None,
                            init_logit_bias=bias, fused_norm=plan.fused_norm)
+        if self.pack is not None:  # the image tower takes packs (its text tower is as ever)
+            model.visual.use_pack(self.pack, "thd", getattr(plan, "pos_interp", "bicubic"))
         v, t = self.arch.vision, self.arch.text
         n_text = sum(p.numel() for p in model.text.parameters()) - t.vocab_size * t.hidden_size
-        self.flops_per_sample = (
-            _tower_flops(sum(p.numel() for p in model.visual.parameters()), model.visual.seq_len,
-                         v.num_layers, v.hidden_size)
-            + _tower_flops(n_text, self.context_length, t.num_layers, t.hidden_size))
+        n_image = sum(p.numel() for p in model.visual.parameters())
+        self.text_flops = _tower_flops(n_text, self.context_length, t.num_layers, t.hidden_size)
+        if self.pack is not None:
+            self.flops_per_token = (6.0 * n_image, 12.0 * v.num_layers * v.hidden_size)
+        else:
+            self.flops_per_sample = _tower_flops(n_image, model.visual.seq_len, v.num_layers,
+                                                 v.hidden_size) + self.text_flops
         return [model]
+
+    def pack_flops(self, raw) -> float:
+        """Training FLOPs of one raw pack (CPU fields): its images through the image tower
+        and their captions through the text tower."""
+        seg, m = raw[2], self.pack.max_images
+        images = int((torch.bincount(seg.cpu(), minlength=m + 1)[:m] > 0).sum())
+        return pk.pack_flops(seg, m, *self.flops_per_token) + images * self.text_flops
 
     def describe(self, chunks, micro_batch):
         m = chunks[0]
-        return (f"{self.cfg.model.name} ({self.loss_name} loss), spec "
+        head = (f"{self.cfg.model.name} ({self.loss_name} loss), spec "
                 f"{self.plan.spec}, "
-                f"{sum(p.numel() for p in m.parameters())} params on this rank, "
-                f"{m.visual.seq_len} image tokens, {self.context_length} text positions, "
-                f"{self.flops_per_sample / 1e9:.2f} GFLOP/pair (train)")
+                f"{sum(p.numel() for p in m.parameters())} params on this rank, ")
+        if self.pack is not None:
+            k = self.pack
+            return head + (f"packs of {k.tokens} image tokens (at most {k.max_images} images "
+                           f"of <= {k.max_patches} patches + {k.num_prefix} prefix tokens), "
+                           f"{self.context_length} text positions, "
+                           f"{self.flops_per_token[0] / 1e9:.3f} GFLOP/image token + "
+                           f"{self.flops_per_token[1] / 1e6:.3f} MFLOP/token pair in attention "
+                           f"+ {self.text_flops / 1e9:.2f} GFLOP/caption (train)")
+        return head + (f"{m.visual.seq_len} image tokens, {self.context_length} text positions, "
+                       f"{self.flops_per_sample / 1e9:.2f} GFLOP/pair (train)")
 
     def caption_dropout(self, key) -> float:
         """data.caption_dropout at training step ``key[0]`` (0-based): 0 before
@@ -131,19 +159,41 @@ class ContrastiveTask(Task):
         start = int(d.caption_dropout_start * (self.total_steps or 0))
         return d.caption_dropout if key is not None and key[0] >= start else 0.0
 
+    def _draw_captions(self, tokens, key, pairs_per_microbatch: int | None = None):
+        """One caption variant per pair (data.caption_dropout); ``pairs_per_microbatch``: a
+        pack's slots (its global batch counts packs), else the microbatch's pairs."""
+        if tokens.ndim != 3:
+            return tokens
+        t = self.cfg.train
+        per = pairs_per_microbatch or 1  # pairs per unit of train.global_batch_size
+        per_rank = t.global_batch_size // self.d.dp  # this rank's share of the step
+        offset = (self.d.dp_rank * per_rank * per + key[1] * len(tokens)) if key else 0
+        return draw_caption_variants(tokens, self.caption_dropout(key), t.seed,
+                                     key[0] if key else None, offset,
+                                     t.global_batch_size * per)
+
+    def _prepare_pack(self, raw, key, device, first_stage):
+        """(x, coords, seg, cu_seqlens, tokens, labels) of one pack on the device; an empty
+        slot's label is fill_label (no image: out of the loss and the metrics)."""
+        from vitgraph.tasks.classification import prepare_pack
+        tokens = self._draw_captions(raw[5], key, self.pack.max_images)
+        x, coords, seg, cu, labels = prepare_pack(raw[:5], key, device, first_stage, self.cfg,
+                                                  self.d)
+        labels = torch.where(pk.slot_valid(seg, self.pack.max_images), labels, self.fill_label)
+        return x, coords, seg, cu, tokens.to(device, non_blocking=True), labels
+
     def prepare(self, raw, key, device, first_stage):
+        if self.pack is not None:
+            return self._prepare_pack(raw, key, device, first_stage)
         images, labels, tokens = raw
-        if tokens.ndim == 3:  # data.caption_dropout: one variant per pair
-            t = self.cfg.train
-            per_rank = t.global_batch_size // self.d.dp  # this rank's share of the step
-            offset = (self.d.dp_rank * per_rank + key[1] * len(tokens)) if key else 0
-            tokens = draw_caption_variants(tokens, self.caption_dropout(key), t.seed,
-                                           key[0] if key else None, offset, t.global_batch_size)
+        tokens = self._draw_captions(tokens, key)
         x, _ = prepare_batch(self.augment, images, labels, key, self.image_size, device,
                              torch.float32, first_stage)
         return (x, tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
 
     def forward(self, model, inputs):
+        if self.pack is not None:
+            return model(tuple(inputs[:4]), inputs[4])
         return model(inputs[0], inputs[1])
 
     def _features(self, output):
@@ -154,16 +204,25 @@ class ContrastiveTask(Task):
     def loss(self, inputs, output):
         image, text, scale, bias = self._features(output)
         group = ps.get_data_parallel_group() if dist.is_initialized() else None
+        # a pack's empty slots are out (fixed shapes: masked, not dropped)
+        valid = inputs[-1] != self.fill_label if self.pack is not None else None
         if self.loss_name == "siglip":
             if bias is None:  # pragma: no cover - build_model gives such a model a bias
                 raise ValueError("the sigmoid loss needs a model with a logit bias")
-            loss = siglip_loss(image, text, scale, bias, group=group)
+            loss = siglip_loss(image, text, scale, bias, group=group, valid=valid)
         else:
-            loss = clip_loss(image, text, scale, group=group)
+            loss = clip_loss(image, text, scale, group=group, valid=valid)
         b = image.shape[0]
-        n = torch.full((), b, device=image.device)  # no host-to-device copy: capturable
         with torch.no_grad():
-            correct = ((image @ text.T).argmax(dim=1) == torch.arange(b, device=image.device)).sum()
+            sims = image @ text.T
+            if valid is not None:
+                sims = sims.masked_fill(~valid[None, :], float("-inf"))
+            hit = sims.argmax(dim=1) == torch.arange(b, device=image.device)
+            if valid is None:
+                n = torch.full((), b, device=image.device)  # no host-to-device copy: capturable
+            else:
+                hit, n = hit & valid, valid.sum()
+            correct = hit.sum()
         return loss, stats(loss.detach().clone() * n, correct, n)
 
     @torch.no_grad()
@@ -178,7 +237,7 @@ class ContrastiveTask(Task):
 
     def eval_outputs(self, inputs, output):
         image, text, _, _ = self._features(output)
-        return {"image": image, "text": text, "labels": inputs[2], "tokens": inputs[1]}
+        return {"image": image, "text": text, "labels": inputs[-1], "tokens": inputs[-2]}
 
     @torch.no_grad()
     def eval_metrics(self, outputs, chunks):

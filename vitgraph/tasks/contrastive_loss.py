@@ -19,6 +19,12 @@ full-batch loss, and the data-parallel mean of the parameter gradients (what meg
   those from rank - k, one b_local x b_local block at a time; the backward sends each block's
   text gradient back to its owner. ``exchange="all_gather"`` gathers every text feature at
   once instead; both give the same loss and gradients.
+
+``valid`` (bool [b], optional): which of this rank's pairs are real. A packed microbatch has
+empty image slots (vitgraph.data.packing): their pairs are neither positives nor negatives
+and the loss is divided by the valid pairs, so it equals the loss over the valid pairs alone
+(on one rank; over ranks, each rank's valid pairs against every rank's). Masking is by
+selection, not indexing: the shapes stay fixed (CUDA graphs).
 """
 from __future__ import annotations
 
@@ -96,41 +102,65 @@ def gather_features(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def clip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor,
-              group=None) -> torch.Tensor:
+              group=None, valid: torch.Tensor | None = None) -> torch.Tensor:
     """InfoNCE over the global batch for this rank's rows; ``logit_scale`` is the scale itself
-    (exp of the parameter, as CLIP.forward returns it)."""
+    (exp of the parameter, as CLIP.forward returns it); ``valid``: see the module docstring."""
     rank, _ = _world(group)
     all_image, all_text = gather_features(image, group), gather_features(text, group)
     b = image.shape[0]
     labels = torch.arange(b, device=image.device) + rank * b
     per_image = logit_scale * image @ all_text.T
     per_text = logit_scale * text @ all_image.T
-    return (F.cross_entropy(per_image, labels) + F.cross_entropy(per_text, labels)) / 2
+    if valid is None:
+        return (F.cross_entropy(per_image, labels) + F.cross_entropy(per_text, labels)) / 2
+    others = gather_features(valid.to(image.dtype), group) > 0
+    # a finite floor, not -inf: a row with no valid column (an empty pack) stays finite
+    floor = torch.finfo(per_image.dtype).min
+    per_image = per_image.masked_fill(~others[None, :], floor)
+    per_text = per_text.masked_fill(~others[None, :], floor)
+    ce = (F.cross_entropy(per_image, labels, reduction="none")
+          + F.cross_entropy(per_text, labels, reduction="none"))
+    return torch.where(valid, ce, 0.0).sum() / (2 * valid.sum().clamp(min=1))
 
 
-def _sigmoid_block(image, text, logit_scale, logit_bias, positives_at: int | None):
+def _sigmoid_block(image, text, logit_scale, logit_bias, positives_at: int | None,
+                   keep: torch.Tensor | None = None):
     """-sum log sigmoid(+-logits) of one block; ``positives_at``: the column offset of the
-    matching pairs in ``text`` (None: every pair is a negative)."""
+    matching pairs in ``text`` (None: every pair is a negative); ``keep``: the pairs counted."""
     logits = logit_scale * image @ text.T + logit_bias
     signs = -torch.ones_like(logits)
     if positives_at is not None:  # a fill, not an indexed store of a host scalar: capturable
         signs.diagonal(offset=positives_at).fill_(1.0)
-    return -F.logsigmoid(signs * logits).sum()
+    loss = -F.logsigmoid(signs * logits)
+    if keep is not None:
+        loss = torch.where(keep, loss, 0.0)
+    return loss.sum()
 
 
 def siglip_loss(image: torch.Tensor, text: torch.Tensor, logit_scale: torch.Tensor,
-                logit_bias: torch.Tensor, group=None, exchange: str = "ring") -> torch.Tensor:
+                logit_bias: torch.Tensor, group=None, exchange: str = "ring",
+                valid: torch.Tensor | None = None) -> torch.Tensor:
     """Sigmoid loss: every (image, text) pair of the global batch is a binary problem, the
-    matching pairs positive; summed over this rank's images and divided by their number."""
+    matching pairs positive; summed over this rank's images and divided by their number
+    (``valid``: see the module docstring)."""
     rank, world = _world(group)
     b = image.shape[0]
+    count = b if valid is None else valid.sum().clamp(min=1)
+
+    def keep(texts_valid):
+        return None if valid is None else valid[:, None] & texts_valid[None, :]
+
     if exchange == "all_gather" or world == 1:
+        others = None if valid is None else gather_features(valid.to(image.dtype), group) > 0
         return _sigmoid_block(image, gather_features(text, group), logit_scale, logit_bias,
-                              positives_at=rank * b) / b
+                              positives_at=rank * b, keep=keep(others)) / count
     if exchange != "ring":
         raise ValueError(f"exchange={exchange!r}: ring | all_gather")
-    total = _sigmoid_block(image, text, logit_scale, logit_bias, positives_at=0)
+    total = _sigmoid_block(image, text, logit_scale, logit_bias, positives_at=0,
+                           keep=keep(valid))
     for k in range(1, world):
         others = _ShiftWithGrad.apply(text, k, group)
-        total = total + _sigmoid_block(image, others, logit_scale, logit_bias, None)
-    return total / b
+        mask = None if valid is None else _shift(valid.to(image.dtype), k, group) > 0
+        total = total + _sigmoid_block(image, others, logit_scale, logit_bias, None,
+                                       keep=keep(mask))
+    return total / count
