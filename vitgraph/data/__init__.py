@@ -2,12 +2,17 @@
 
 ``build_datasets(data_cfg, seed)`` is the entry point; it returns (train, held-out)
 ``ImageDataset``s, which ``MicrobatchLoader`` and ``iterate_eval`` slice into batches and
-``to_model_input`` turns into model inputs.
+``to_model_input`` turns into model inputs. At data.resolution=native,
+``build_native_datasets`` gives ``NativeDataset``s, which ``PackedLoader`` and
+``iterate_eval_packs`` pack along the sequence and ``pack_inputs`` turns into model inputs
+(vitgraph/data/native.py).
 """
 
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import EncodedImages
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
+from vitgraph.data.native import (NativeDataset, PackedLoader, build_native_datasets,
+                                  iterate_eval_packs, pack_inputs, pack_spec)
 from vitgraph.data.shapes import CLASSES as SHAPES_CLASSES
 
 
@@ -33,5 +38,6 @@ def build_datasets(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
                     "or 'webdataset')")
 
 
-__all__ = ["DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader", "SHAPES_CLASSES", "build_datasets",
-           "iterate_eval", "to_model_input"]
+__all__ = ["DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader", "NativeDataset",
+           "PackedLoader", "SHAPES_CLASSES", "build_datasets", "build_native_datasets",
+           "iterate_eval", "iterate_eval_packs", "pack_inputs", "pack_spec", "to_model_input"]

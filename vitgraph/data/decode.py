@@ -5,12 +5,16 @@ center-cropped), ``decode_full`` the image at full size (JPEGs through simplejpe
 GIL, where it is installed). Device (``data.decode=cuda``): a reader hands over an
 ``EncodedImages`` microbatch (JPEG bytes, plus any image it had to decode itself at full size)
 and ``finish_on_device`` decodes the JPEGs in one nvJPEG batch and resizes every image there.
+At native resolution (vitgraph.data.native) the same pieces decode each image at its own
+planned size: ``decode_native`` on the CPU, ``EncodedPack`` / ``finish_pack_on_device`` on the
+device; ``read_size`` gives an image's size from its header before anything is decoded.
 """
 from __future__ import annotations
 
 import functools
 import io
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -271,4 +275,191 @@ def finish_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
             out.copy_(crop)
         else:
             out[torch.tensor(idx, device=out.device)] = crop
+    return out
+
+
+# ---------------------------------------------------------------- native resolution
+# data.resolution=native: each image decoded at its own planned size (its patch grid times the
+# patch, vitgraph.data.packing.native_grid), optionally from a crop box given as fractions of
+# its sides (y0, x0, y1, x1), and patchified into a pack.
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+# SOF markers (C0-CF but DHT C4, JPG C8 and DAC CC) carry the frame's height and width
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def header_size(head: bytes) -> tuple[int, int] | None:
+    """An image's (height, width) from the first bytes of its file (JPEG: the SOF segment;
+    PNG: IHDR), without decoding it; None when ``head`` does not reach it or the format is
+    another (the caller asks PIL then). EXIF orientation is not applied, as the decoders here
+    do not apply it either."""
+    if head[:8] == _PNG and head[12:16] == b"IHDR" and len(head) >= 24:
+        return int.from_bytes(head[20:24], "big"), int.from_bytes(head[16:20], "big")
+    if head[:2] != b"\xff\xd8":
+        return None
+    i, n = 2, len(head)
+    while i + 4 <= n:
+        if head[i] != 0xFF:
+            return None  # not a marker where one should be: PIL decides
+        m = head[i + 1]
+        if m == 0xFF:  # fill byte
+            i += 1
+            continue
+        if m == 0x01 or 0xD0 <= m <= 0xD8:  # markers without a length
+            i += 2
+            continue
+        if m in (0xD9, 0xDA):  # end of image or start of scan before any frame header
+            return None
+        if m in _SOF:
+            if i + 9 > n:
+                return None
+            h, w = int.from_bytes(head[i + 5:i + 7], "big"), int.from_bytes(head[i + 7:i + 9], "big")
+            return (h, w) if h and w else None
+        i += 2 + int.from_bytes(head[i + 2:i + 4], "big")
+    return None
+
+
+def read_size(read, total: int, where: str = "") -> tuple[int, int]:
+    """(height, width) of an encoded image; ``read(k)`` gives its first k bytes, ``total``
+    its length. The header parse first on a few KB (more if an EXIF block comes first), PIL's
+    lazy open on the whole file last. DataError naming ``where`` if neither can tell."""
+    k = 4096
+    while True:
+        head = read(min(k, total))
+        size = header_size(head)
+        if size is not None:
+            return size
+        if k >= total:
+            break
+        k *= 16
+    try:
+        with Image.open(io.BytesIO(head)) as im:
+            w, h = im.size
+    except Exception as e:
+        raise DataError(f"cannot read image {where}: {e}") from None
+    if h < 1 or w < 1:
+        raise DataError(f"cannot read image {where}: size {w}x{h}")
+    return h, w
+
+
+def crop_box(crop, h: int, w: int) -> tuple[int, int, int, int]:
+    """A crop box of fractions (y0, x0, y1, x1) (None: the whole image) in whole pixels of an
+    ``h`` x ``w`` image, at least one pixel each way."""
+    if crop is None:
+        return 0, 0, h, w
+    y0, x0, y1, x1 = crop
+    top, left = min(round(y0 * h), h - 1), min(round(x0 * w), w - 1)
+    return top, left, max(min(round(y1 * h), h), top + 1), max(min(round(x1 * w), w), left + 1)
+
+
+def draft_size(target: tuple[int, int], crop) -> tuple[int, int]:
+    """(height, width) a decode must keep at least so that ``crop`` of it still covers
+    ``target`` pixels (PIL's draft mode decodes JPEGs at a reduced scale down to that)."""
+    ch, cw = (1.0, 1.0) if crop is None else (crop[2] - crop[0], crop[3] - crop[1])
+    return math.ceil(target[0] / max(ch, 1e-6)), math.ceil(target[1] / max(cw, 1e-6))
+
+
+def resize_native(image: np.ndarray, target: tuple[int, int], crop=None) -> np.ndarray:
+    """uint8 [h, w, 3] -> ``crop`` of it resized to ``target`` (height, width), bicubic and
+    antialiased (PIL): uint8 [H, W, 3]."""
+    h, w = image.shape[:2]
+    top, left, bottom, right = crop_box(crop, h, w)
+    part = image[top:bottom, left:right]
+    if part.shape[:2] == tuple(target):
+        return np.ascontiguousarray(part)
+    im = Image.fromarray(np.ascontiguousarray(part))
+    return np.array(im.resize((target[1], target[0]), Image.BICUBIC), dtype=np.uint8)
+
+
+def decode_native(data: bytes, target: tuple[int, int], crop=None, where: str = "") -> np.ndarray:
+    """Encoded image -> ``crop`` of it resized to ``target`` (height, width): uint8 [H, W, 3].
+    JPEGs decode at PIL's draft scale where that still covers the target."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format == "JPEG":
+                dh, dw = draft_size(target, crop)
+                im.draft("RGB", (dw, dh))
+            rgb = np.array(im.convert("RGB"), dtype=np.uint8)
+    except Exception as e:
+        raise DataError(f"cannot decode image {where}: {e}") from None
+    return resize_native(rgb, target, crop)
+
+
+def native_for_device(data: bytes, target: tuple[int, int], crop=None, where: str = ""
+                      ) -> torch.Tensor:
+    """One image of an ``EncodedPack``: a JPEG's bytes (nvJPEG decodes it on the device),
+    anything else decoded here (at full size, or PIL's draft scale for a JPEG the magic bytes
+    hid), as ``for_device``."""
+    if data[:3] == b"\xff\xd8\xff":
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dh, dw = draft_size(target, crop)
+    return torch.from_numpy(decode_full(data, max(dh, dw), where))
+
+
+@dataclass
+class EncodedPack:
+    """A pack's patches the device finishes (``data.decode=cuda``): per image, ``data`` (CPU
+    uint8, 1-D JPEG bytes or [H, W, 3] decoded), its patch ``grids``, the token ``offsets``
+    where its patches go, its crop box (fractions, or None); the pack's ``tokens`` and
+    ``patch``. ``finish_pack_on_device`` makes the uint8 [tokens, 3 patch^2] patch rows."""
+    data: list
+    grids: list
+    offsets: list
+    crops: list
+    tokens: int
+    patch: int
+    names: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def patchify_chw(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """uint8 [b, 3, gh * p, gw * p] -> [b, gh * gw, 3 * p * p] (vitgraph.data.packing.patchify's
+    order: patches row-major, each in (channel, row, column) order)."""
+    b, c, h, w = x.shape
+    gh, gw = h // patch, w // patch
+    x = x.reshape(b, c, gh, patch, gw, patch).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, gh * gw, c * patch * patch)
+
+
+def finish_pack_on_device(pack: EncodedPack, device, decoder=None) -> torch.Tensor:
+    """A pack's patch rows, uint8 [tokens, 3 p^2] on ``device``: its JPEGs decoded there in one
+    nvJPEG batch (with ``_decode_jpegs``' fallbacks; ``decoder`` replaces nvJPEG in tests), each
+    image cropped and resized to its grid (two matmuls with ``resize_matrix``'s weights, as
+    ``finish_on_device``; images of one size, box and grid as one batch) and patchified into
+    its place; prefix and padding rows zero."""
+    jpegs = [i for i, t in enumerate(pack.data) if t.dim() == 1]
+    imgs = [t.to(device, non_blocking=True).permute(2, 0, 1) if t.dim() == 3 else None
+            for t in pack.data]
+    if jpegs:
+        p = pack.patch
+        hint = max([max(g) * p for g in pack.grids] or [p])
+        batch = EncodedImages(pack.data, hint, pack.names)
+        for i, im in zip(jpegs, _decode_jpegs(batch, jpegs, device, decoder)):
+            imgs[i] = im
+    p = pack.patch
+    out = torch.zeros((pack.tokens, 3 * p * p), dtype=torch.uint8, device=device)
+    groups: dict[tuple, list[int]] = {}
+    for i, im in enumerate(imgs):
+        h, w = im.shape[-2:]
+        box = crop_box(pack.crops[i] if pack.crops else None, h, w)
+        groups.setdefault((box, tuple(pack.grids[i])), []).append(i)
+    for ((top, left, bottom, right), (gh, gw)), idx in groups.items():
+        ims = torch.stack([imgs[i].to(device) for i in idx])[:, :, top:bottom, left:right]
+        h, w, nh, nw = bottom - top, right - left, gh * p, gw * p
+        if (h, w) != (nh, nw):
+            dt = torch.float16 if ims.is_cuda else torch.float32
+            rows = _device_matrix(h, nh, 0, nh, ims.device, dt)
+            cols = _device_matrix(w, nw, 0, nw, ims.device, dt).t()
+            x = ims.to(dt)
+            if nh * h * w + nh * w * nw <= h * w * nw + nh * h * nw:
+                x = torch.matmul(torch.matmul(rows, x), cols)
+            else:
+                x = torch.matmul(rows, torch.matmul(x, cols))
+            ims = x.round_().clamp_(0, 255).to(torch.uint8)
+        patches = patchify_chw(ims, p)
+        for k, i in enumerate(idx):
+            start = pack.offsets[i]
+            out[start:start + gh * gw] = patches[k]
     return out

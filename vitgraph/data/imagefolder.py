@@ -204,3 +204,54 @@ def imagefolder_decode(data_cfg) -> str:
     if decode == "cuda" and not torch.cuda.is_available():
         raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
     return decode
+
+
+# ---------------------------------------------------------------- native resolution
+
+def file_size(path: str) -> tuple[int, int]:
+    """(h, w) of an image file from its header (vitgraph.data.decode.read_size)."""
+    from vitgraph.data.decode import read_size
+    try:
+        with open(path, "rb") as f:
+            total = os.fstat(f.fileno()).st_size
+
+            def head(k):
+                f.seek(0)
+                return f.read(k)
+            return read_size(head, total, path)
+    except OSError as e:
+        raise DataError(f"cannot read image {path}: {e}") from None
+
+
+def read_split_native(root: str, split: str, classes: list[str], workers: int = 1,
+                      decode: str = "cpu"):
+    """One split at native resolution: every file's size from its header (in ``workers``
+    threads; a file whose header does not read is skipped, counted and named as
+    ``read_split`` does), the pixels read and decoded when a pack draws them."""
+    from vitgraph.data.native import FileImages, NativeDataset, read_sizes
+    split_dir = os.path.join(root, split)
+    paths, labels = list_files(split_dir, classes)
+    sizes, bad = read_sizes(len(paths), lambda i: file_size(paths[i]), workers, split_dir)
+    _report_unreadable(split_dir, [bad[i] for i in sorted(bad)], len(paths))
+    keep = [i for i in range(len(paths)) if i not in bad]
+    images = FileImages([paths[i] for i in keep], sizes[keep], workers, decode)
+    return NativeDataset(images, torch.tensor([labels[i] for i in keep], dtype=torch.int64),
+                         list(classes), None)
+
+
+def build_imagefolder_native(data_cfg, seed: int):
+    """(train, val) ``NativeDataset``s from ``data_cfg.path``, each image at its own size.
+    Decoded per step whatever data.preload says (a folder held decoded at every image's own
+    size would not be the small one preloading is for); data.decode resolved as for a folder
+    that is not preloaded."""
+    import types
+    root = data_cfg.path
+    if not root:
+        raise DataError("data.path must name the image folder root for kind=imagefolder")
+    if not os.path.isdir(root):
+        raise DataError(f"image folder root not found: {root}")
+    classes = list_classes(os.path.join(root, "train"))
+    decode = imagefolder_decode(types.SimpleNamespace(decode=getattr(data_cfg, "decode", "cpu"),
+                                                      preload=False))
+    args = (classes, data_cfg.workers, decode)
+    return read_split_native(root, "train", *args), read_split_native(root, "val", *args)

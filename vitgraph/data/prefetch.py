@@ -1,10 +1,10 @@
 """The next training step's microbatches, made while this step runs.
 
-``Prefetcher`` wraps a ``MicrobatchLoader``. A background thread takes the step after next
-from it: shard reads and, with ``data.decode=cpu`` (or ``data.cpu_decode_share``), JPEG
-decoding in the loader's threads, all CPU work. On a GPU the next step is put on the device
-from a side CUDA stream (pinned host-to-device copies; nvJPEG decode and the resize for
-``data.decode=cuda``) when the trainer calls
+``Prefetcher`` wraps a ``MicrobatchLoader`` (or a ``native.PackedLoader``). A background
+thread takes the step after next from it: shard reads and, with ``data.decode=cpu`` (or
+``data.cpu_decode_share``), JPEG decoding in the loader's threads, all CPU work. On a GPU the
+next step is put on the device from a side CUDA stream (pinned host-to-device copies; nvJPEG
+decode and the resize for ``data.decode=cuda``, a pack's patchify too) when the trainer calls
 ``stage_next``: once a step's forward and backward are queued and before the host waits for
 them, so that this work runs beside the step's kernels rather than between steps. The CUDA
 calls are made by the training thread itself, never by the background one: Transformer
@@ -26,7 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from vitgraph.data.decode import EncodedImages, finish_on_device
+from vitgraph.data.decode import (EncodedImages, EncodedPack, finish_on_device,
+                                  finish_pack_on_device)
 from vitgraph.data.loader import MicrobatchLoader
 
 
@@ -73,6 +74,8 @@ class Prefetcher:
     def _to_device(self, field):
         if isinstance(field, EncodedImages):
             return finish_on_device(field, self.device)
+        if isinstance(field, EncodedPack):  # a native-resolution pack's patches (nvJPEG)
+            return finish_pack_on_device(field, self.device)
         if torch.is_tensor(field) and field.device.type == "cpu":
             return field.pin_memory().to(self.device, non_blocking=True)
         return field

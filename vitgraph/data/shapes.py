@@ -127,9 +127,10 @@ def _size_word(frac):
     return "small" if t < 1 / 3 else ("medium" if t < 2 / 3 else "large")
 
 
-def _position_word(cx, cy, size):
-    # cx, cy in pixels, y down; "center" unless the shape sits clearly off-centre
-    dx, dy = cx / size - 0.5, cy / size - 0.5
+def _position_word(cx, cy, size, height=None):
+    # cx, cy in pixels, y down; "center" unless the shape sits clearly off-centre. ``size``:
+    # the width (and the height, unless ``height`` is given)
+    dx, dy = cx / size - 0.5, cy / (size if height is None else height) - 0.5
     col = "left" if dx < -0.08 else ("right" if dx > 0.08 else "")
     row = "top" if dy < -0.08 else ("bottom" if dy > 0.08 else "")
     if row and col:
@@ -161,13 +162,16 @@ def _pick_colours(rng):
             return int(f), int(b)
 
 
-def _draw_shape(draw, name, cx, cy, r, angle, y0=0):
-    """Draw one shape into a 0/255 mask canvas at SUPERSAMPLE x, its tile starting at row y0."""
+def _draw_shape(draw, name, cx, cy, r, angle, y0=0, x0=0):
+    """Draw one shape into a 0/255 mask canvas at SUPERSAMPLE x, its tile starting at row y0
+    (and column x0)."""
     a = math.radians(angle)
     rot = np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
     for poly, fill in _GEOMETRY[name]:
         p = poly @ rot.T * r
         xs = (cx + p[:, 0]) * SUPERSAMPLE
+        if x0:
+            xs = xs + x0
         ys = (cy - p[:, 1]) * SUPERSAMPLE + y0  # image y points down
         draw.polygon(list(zip(xs.tolist(), ys.tolist())), fill=fill)
 
@@ -280,6 +284,164 @@ def generate(num: int, split_seed: int, num_classes: int = 10, render_size: int 
         images = np.concatenate([p[0] for p in parts]) if parts else np.empty(shape, np.uint8)
         captions = [c for p in parts for c in p[1]]
     return images, labels, captions
+
+
+# ---------------------------------------------------------------- native resolution
+# data.resolution=native: each image at its own size and aspect ratio. The shorter side is
+# log-uniform in NATIVE_SHORT x render_size, the ratio of the sides log-uniform in 1..2 (either
+# way up, so height / width spans 0.5-2); the shape's size and place are relative to the
+# canvas as above (its radius a fraction of the shorter side). Stored flat: every image's
+# pixels back to back (uint8 [sum h*w*3]) with their (h, w).
+
+NATIVE_SHORT = (0.5, 2.0)
+NATIVE_STRETCH = 2.0  # longer side / shorter side at most
+_CANVAS = 512  # mask canvases this many pixels wide (SUPERSAMPLE x that when drawn)
+
+
+def _colour_pairs() -> np.ndarray:
+    """Every (fg, bg) palette pair _pick_colours accepts, so a draw is one integer."""
+    pairs = [(f, b) for f in range(len(_PALETTE)) for b in range(len(_PALETTE))
+             if np.linalg.norm(_PALETTE_RGB[f] - _PALETTE_RGB[b]) >= _MIN_CONTRAST
+             and abs(_luma(_PALETTE_RGB[f]) - _luma(_PALETTE_RGB[b])) >= _MIN_LUMA_DIFF]
+    return np.array(pairs, dtype=np.int64)
+
+
+def native_sizes(num: int, split_seed: int, render_size: int) -> np.ndarray:
+    """The (h, w) of each image of a native-resolution split: int64 [num, 2], drawn from the
+    split seed alone (known before any image is drawn)."""
+    rng = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(2**31 + 1,)))
+    lo = max(4, round(render_size * NATIVE_SHORT[0]))
+    hi = max(lo, round(render_size * NATIVE_SHORT[1]))
+    short = np.rint(np.exp(rng.uniform(math.log(lo), math.log(hi), num))).astype(np.int64)
+    stretch = np.exp(rng.uniform(0.0, math.log(NATIVE_STRETCH), num))
+    long = np.minimum(np.rint(short * stretch).astype(np.int64),
+                      np.floor(short * NATIVE_STRETCH).astype(np.int64))
+    tall = rng.uniform(0, 1, num) < 0.5
+    return np.stack([np.where(tall, long, short), np.where(tall, short, long)], 1)
+
+
+def _shelves(sizes: np.ndarray, width: int, max_pixels: int):
+    """Tiles of ``sizes`` (h, w) placed left to right in rows of canvases ``width`` wide, at
+    most ``max_pixels`` each: [(canvas height, [(tile, y, x), ...]), ...]."""
+    canvases, tiles, x, y, row_h = [], [], 0, 0, 0
+    for i, (h, w) in enumerate(sizes.tolist()):
+        if x + w > width:
+            x, y, row_h = 0, y + row_h, 0
+        if (y + max(row_h, h)) * width > max_pixels and tiles:
+            canvases.append((y + row_h, tiles))
+            tiles, x, y, row_h = [], 0, 0, 0
+        tiles.append((i, y, x))
+        x, row_h = x + w, max(row_h, h)
+    if tiles:
+        canvases.append((y + row_h, tiles))
+    return canvases
+
+
+def _render_chunk_native(args):
+    """Pixels (uint8, the images of ``sizes`` back to back, each [h, w, 3]) and captions for
+    ``labels``, from the chunk seed. The per-image draws are made as arrays; only the drawing
+    is a per-image call."""
+    split_seed, chunk_idx, labels, sizes = args
+    rng = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(chunk_idx, 1)))
+    n = len(labels)
+    h, w = sizes[:, 0].astype(np.float64), sizes[:, 1].astype(np.float64)
+    frac = rng.uniform(*_RADIUS, n)
+    r = frac * np.minimum(h, w)
+    cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
+    angle = rng.uniform(*_ROTATION, n) % 360.0
+    table = _colour_pairs()
+    pairs = table[rng.integers(0, len(table), n)]
+    fg = (_PALETTE_RGB[pairs[:, 0]] + rng.uniform(-_COLOUR_JITTER, _COLOUR_JITTER, (n, 3))
+          ).astype(np.float32)
+    bg = (_PALETTE_RGB[pairs[:, 1]] + rng.uniform(-_COLOUR_JITTER, _COLOUR_JITTER, (n, 3))
+          ).astype(np.float32)
+    theta = rng.uniform(0, 2 * np.pi, n)
+    grad = np.stack([np.cos(theta), np.sin(theta)], 1).astype(np.float32)
+    grad_col = rng.uniform(-_GRADIENT, _GRADIENT, (n, 3)).astype(np.float32)
+    sigma = rng.uniform(*_NOISE_SIGMA, n).astype(np.float32)
+
+    hw = (sizes[:, 0] * sizes[:, 1]).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(hw)[:-1]])
+    total = int(hw.sum())
+    alpha = np.empty(total, np.float32)
+    width = max(_CANVAS, int(sizes[:, 1].max()) if n else 1)
+    for height, tiles in _shelves(sizes, width, 2**24 // SUPERSAMPLE**2):
+        canvas = Image.new("L", (width * SUPERSAMPLE, height * SUPERSAMPLE), 0)
+        draw = ImageDraw.Draw(canvas)
+        for i, y, x in tiles:
+            _draw_shape(draw, CLASSES[int(labels[i])], cx[i], cy[i], r[i], angle[i],
+                        y * SUPERSAMPLE, x * SUPERSAMPLE)
+        small = np.asarray(canvas.resize((width, height), Image.BOX))
+        for i, y, x in tiles:
+            th, tw = sizes[i]
+            alpha[starts[i]:starts[i] + hw[i]] = small[y:y + th, x:x + tw].reshape(-1)
+    alpha *= 1 / 255
+
+    # composite (background gradient, shape, noise) image by image, into the flat output
+    noise = rng.standard_normal(total * 3, dtype=np.float32)
+    out = np.empty(total * 3, np.uint8)
+    for i, (th, tw) in enumerate(sizes.tolist()):
+        ys = ((np.arange(th, dtype=np.float32) + 0.5) / th - 0.5)[:, None, None]
+        xs = ((np.arange(tw, dtype=np.float32) + 0.5) / tw - 0.5)[None, :, None]
+        img = bg[i] + (grad[i, 0] * xs + grad[i, 1] * ys) * grad_col[i]
+        a = alpha[starts[i]:starts[i] + hw[i]].reshape(th, tw, 1)
+        img += (fg[i] - img) * a
+        s0 = 3 * starts[i]
+        img += noise[s0:s0 + 3 * hw[i]].reshape(th, tw, 3) * sigma[i]
+        np.rint(img, out=img)
+        np.clip(img, 0, 255, out=img)
+        out[s0:s0 + 3 * hw[i]] = img.reshape(-1)
+
+    captions = []
+    for i in range(n):
+        name = CLASSES[int(labels[i])]
+        f, b = pairs[i]
+        caption = (f"a {_size_word(frac[i])} {_PALETTE[f][0]} {name} on a {_PALETTE[b][0]} "
+                   f"background, {_position_word(cx[i], cy[i], w[i], h[i])}")
+        captions.append(caption + _rotation_words(angle[i], _SYMMETRY[name]))
+    return out, captions
+
+
+def _render_native_into_shared(args):
+    start, job = args
+    pixels, captions = _render_chunk_native(job)
+    _SHARED_OUT[start:start + len(pixels)] = pixels
+    return captions
+
+
+def generate_native(num: int, split_seed: int, num_classes: int = 10, render_size: int = 32,
+                    workers: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """(pixels uint8 [sum h*w*3], sizes int64 [num, 2] (h, w), labels int64 [num], captions)
+    of a native-resolution split; independent of workers."""
+    if not 1 <= num_classes <= len(CLASSES):
+        raise ValueError(f"num_classes must be in [1, {len(CLASSES)}] for the shapes data, "
+                         f"got {num_classes}")
+    label_rng = np.random.default_rng(np.random.SeedSequence(split_seed, spawn_key=(2**31,)))
+    labels = label_rng.permutation(np.arange(num, dtype=np.int64) % num_classes)
+    sizes = native_sizes(num, split_seed, render_size)
+    nbytes = sizes[:, 0] * sizes[:, 1] * 3
+    offsets = np.concatenate([[0], np.cumsum(nbytes)]).astype(np.int64)
+    jobs = [(split_seed, i, labels[s:s + CHUNK], sizes[s:s + CHUNK])
+            for i, s in enumerate(range(0, num, CHUNK))]
+    total = int(offsets[-1])
+    if workers > 1 and len(jobs) > 1:  # as generate: a fork server, one shared buffer
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        ctx = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload([__name__])
+        buf = ctx.RawArray("B", max(1, total))
+        with ctx.Pool(min(workers, len(jobs)), initializer=_attach_shared,
+                      initargs=(buf, (max(1, total),))) as pool:
+            caps = pool.map(_render_native_into_shared,
+                            [(int(offsets[i * CHUNK]), j) for i, j in enumerate(jobs)],
+                            chunksize=1)
+        pixels = np.frombuffer(buf, np.uint8, count=total).copy()
+        captions = [c for part in caps for c in part]
+    else:
+        parts = [_render_chunk_native(j) for j in jobs]
+        pixels = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, np.uint8)
+        captions = [c for p in parts for c in p[1]]
+    return pixels, sizes, labels, captions
 
 
 def split_seed(seed: int, split: str) -> int:
@@ -424,4 +586,73 @@ def build_shapes(data_cfg, seed: int):
                                 torch.from_numpy(labels.astype(np.int64)),
                                 CLASSES[:data_cfg.num_classes], captions,
                                 caption_variants=variants))
+    return out[0], out[1]
+
+
+def load_or_generate_native(split: str, num: int, seed: int, num_classes: int,
+                            render_size: int, workers: int, cache_dir: str | None,
+                            cache_max_mb: float = 1024):
+    """``generate_native`` for one split of data seed ``seed``, through the .npz cache (its
+    key holds the mode: a native split never serves a fixed one)."""
+    params = {"version": VERSION, "split": split, "num": num, "seed": int(seed),
+              "num_classes": num_classes, "render_size": render_size, "chunk": CHUNK,
+              "supersample": SUPERSAMPLE, "drawing": _drawing_params(), "resolution": "native",
+              "sizes": repr((NATIVE_SHORT, NATIVE_STRETCH, _CANVAS))}
+    path = _cache_path(cache_dir, params) if cache_dir else None
+    if path and os.path.exists(path):
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                out = z["pixels"], z["sizes"], z["labels"], z["captions"].tolist()
+            import time
+            os.utime(path, (time.time(), os.stat(path).st_mtime))
+            return out
+        except Exception:  # truncated or foreign file: regenerate and overwrite it
+            pass
+    out = generate_native(num, split_seed(seed, split), num_classes, render_size, workers)
+    if path:
+        pixels, sizes, labels, captions = out
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".shapes_", suffix=".npz.tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, pixels=pixels, sizes=sizes, labels=labels,
+                         captions=np.array(captions, dtype=str))
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        prune_cache(cache_dir, cache_max_mb * 2**20, keep=path)
+    return out
+
+
+def build_shapes_native(data_cfg, seed: int):
+    """(train, held-out) NativeDatasets of the shapes task at native resolution (each image
+    its own size and aspect ratio, ``native_sizes``); seeds and captions as ``build_shapes``."""
+    import torch
+
+    from vitgraph.data.dataset import DataError
+    from vitgraph.data.native import ArrayImages, NativeDataset
+
+    if not 1 <= data_cfg.num_classes <= len(CLASSES):
+        raise DataError(f"data.num_classes={data_cfg.num_classes}: the shapes data has "
+                        f"{len(CLASSES)} classes ({', '.join(CLASSES)})")
+    data_seed = getattr(data_cfg, "seed", None)
+    seed = seed if data_seed is None else data_seed
+    out = []
+    for split, num in (("train", data_cfg.num_train), ("val", data_cfg.num_val)):
+        pixels, sizes, labels, captions = load_or_generate_native(
+            split, num, seed, data_cfg.num_classes, data_cfg.render_size,
+            data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir),
+            getattr(data_cfg, "cache_max_mb", 1024))
+        if getattr(data_cfg, "captions", "full") == "short":
+            captions = [short_caption(c) for c in captions]
+        variants = None
+        if split == "train" and getattr(data_cfg, "caption_dropout", 0.0) > 0:
+            variants = [caption_variants(c) for c in captions]
+        images = ArrayImages(torch.from_numpy(np.ascontiguousarray(pixels)), sizes,
+                             data_cfg.workers)
+        out.append(NativeDataset(images, torch.from_numpy(labels.astype(np.int64)),
+                                 CLASSES[:data_cfg.num_classes], captions,
+                                 caption_variants=variants))
     return out[0], out[1]

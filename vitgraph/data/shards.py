@@ -177,3 +177,111 @@ def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
     val = read_shard_split(root, "val", data_cfg.render_size, data_cfg.workers, decode,
                            train.classes, cpu_share=share)
     return train, val
+
+
+# ---------------------------------------------------------------- native resolution
+
+def _member_size(path: str, offset: int, size: int) -> tuple[int, int]:
+    from vitgraph.data.decode import read_size
+    where = f"{path} @{offset}"
+    try:
+        with open(path, "rb") as f:
+            def head(k):
+                f.seek(offset)
+                return f.read(k)
+            return read_size(head, size, where)
+    except OSError as e:
+        raise DataError(f"cannot read image {where}: {e}") from None
+
+
+def _sizes_cache(cache_dir: str | None, paths: list[str], split: str) -> str | None:
+    """Where the sizes of a split's members are cached: keyed by the shards' paths, lengths and
+    modification times (a rewritten shard reads its headers again)."""
+    if not cache_dir:
+        return None
+    import hashlib
+    ident = [(os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
+    key = hashlib.sha256(json.dumps([split, ident]).encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser(cache_dir), f"shard_sizes_{split}_{key}.npy")
+
+
+def member_sizes(paths: list[str], entries: list[tuple[int, int, int]], hws: list,
+                 workers: int, cache: str | None, split_dir: str) -> np.ndarray:
+    """int64 [N, 2] (h, w) of every sample's image: from index.json's ``hw`` where each sample
+    has one, else from the cache file, else from the members' headers (in ``workers``
+    threads; written to the cache). A sample whose header does not read is (0, 0)."""
+    if hws and all(hw is not None for hw in hws):
+        return np.asarray(hws, dtype=np.int64).reshape(-1, 2)
+    if cache and os.path.isfile(cache):
+        try:
+            sizes = np.load(cache, allow_pickle=False)
+            if sizes.shape == (len(entries), 2):
+                return sizes
+        except Exception:  # truncated or foreign: read the headers again
+            pass
+    from vitgraph.data.native import read_sizes
+    sizes, bad = read_sizes(len(entries), lambda i: _member_size(paths[entries[i][0]],
+                                                                 *entries[i][1:]),
+                            workers, split_dir)
+    if cache:
+        import tempfile
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cache), suffix=".npy.tmp")
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, sizes)
+        os.replace(tmp, cache)
+    return sizes
+
+
+def read_shard_split_native(root: str, split: str, workers: int, decode: str,
+                            classes: list[str] | None = None, cache_dir: str | None = None):
+    """One split of shards at native resolution: each sample's size from index.json, the
+    cache or its image header; samples whose header does not read are left out (counted in
+    the log)."""
+    from vitgraph.data.native import NativeDataset, ShardMembers
+
+    paths, per_shard, index_classes = read_index(root, split)
+    entries, labels, captions, hws = [], [], [], []
+    for s, samples in enumerate(per_shard):
+        for smp in samples:
+            entries.append((s, smp["offset"], smp["size"]))
+            labels.append(int(smp.get("cls", -1)))
+            captions.append(smp.get("txt"))
+            hws.append(smp.get("hw"))
+    has_txt = all(c is not None for c in captions)
+    if any(lb < 0 for lb in labels) and not has_txt:
+        raise DataError(f"{root}: {split} samples need a .cls (class) or .txt (caption) member")
+    classes = classes or index_classes
+    if classes is None:
+        n = max(labels) + 1 if labels else 0
+        classes = [str(i) for i in range(max(n, 1))]
+    sizes = member_sizes(paths, entries, hws, workers, _sizes_cache(cache_dir, paths, split),
+                         os.path.join(root, split))
+    keep = np.nonzero((sizes > 0).all(1))[0].tolist()
+    if len(keep) < len(entries):
+        if not keep:
+            raise DataError(f"{root}: no readable images in the {split} shards")
+        import logging
+        logging.getLogger("vitgraph").warning(
+            "data: skipped %d %s sample(s) of %d whose image header does not read",
+            len(entries) - len(keep), split, len(entries))
+    images = ShardMembers(paths, [entries[i] for i in keep], sizes[keep], workers, decode)
+    return NativeDataset(images, torch.tensor([labels[i] for i in keep], dtype=torch.int64),
+                         list(classes), [captions[i] for i in keep] if has_txt else None)
+
+
+def build_webdataset_native(data_cfg, seed: int):
+    """(train, val) ``NativeDataset``s from ``data_cfg.path``'s shards, each image at its own
+    size (decoded in the loader's threads, or by nvJPEG with data.decode=cuda)."""
+    root = data_cfg.path
+    if not root or not os.path.isdir(root):
+        raise DataError(f"data.kind=webdataset: data.path must name a folder of train-*.tar / "
+                        f"val-*.tar shards, got {root!r}")
+    decode = resolve_decode(getattr(data_cfg, "decode", "cpu"))
+    if decode == "cuda" and not torch.cuda.is_available():
+        raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
+    cache = getattr(data_cfg, "cache_dir", None)
+    train = read_shard_split_native(root, "train", data_cfg.workers, decode, cache_dir=cache)
+    val = read_shard_split_native(root, "val", data_cfg.workers, decode, train.classes,
+                                  cache_dir=cache)
+    return train, val
