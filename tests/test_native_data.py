@@ -68,6 +68,10 @@ def test_size_rule_edge_cases():
         if min(h, w) >= 64:  # shrunk, the aspect ratio kept to about a patch
             assert abs(gh / gw - h / w) <= max(h / w / gw, 1 / gw) + 0.05
             assert (gh + 1) * gw > 64 or gh * (gw + 1) > 64  # the largest that fits
+    # the loader's numpy patchify is packing.patchify
+    from vitgraph.data.native import patch_rows
+    img = np.random.default_rng(0).integers(0, 256, (13, 22, 3), dtype=np.uint8)
+    assert torch.equal(patch_rows(img, P), patchify(img, P))
     # the dataset computes each distinct size's grid once, and as native_grid does
     ds = toy(80, hi=90)
     s = spec()
@@ -378,7 +382,8 @@ def test_nvjpeg_path_with_a_stand_in_decoder_equals_the_cpu_path(folder, monkeyp
 def test_webdataset_native_sizes_and_pixels_match_the_folder(folder, tmp_path):
     import importlib.util
     from conftest import ROOT
-    spec_ = importlib.util.spec_from_file_location("make_shards", ROOT / "scripts" / "make_shards.py")
+    spec_ = importlib.util.spec_from_file_location("make_shards",
+                                                   ROOT / "scripts" / "make_shards.py")
     make_shards = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(make_shards)  # in this process: no interpreter start-up
     out = tmp_path / "shards"
@@ -386,7 +391,8 @@ def test_webdataset_native_sizes_and_pixels_match_the_folder(folder, tmp_path):
     cache = tmp_path / "cache"
     cfg = folder_cfg(out, kind="webdataset", cache_dir=str(cache))
     train, val = build_native_datasets(cfg, seed=0)
-    assert train.images.shuffle_shards == 4 and train.images.shard_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert train.images.shuffle_shards == 4
+    assert train.images.shard_ids.tolist() == [0, 0, 0, 1, 1, 1]
     ref_train, ref_val = build_native_datasets(folder_cfg(folder), seed=0)
     assert (val.sizes == ref_val.sizes).all() and torch.equal(val.labels, ref_val.labels)
     # PNGs are re-encoded as JPEG in the shards: the same sizes, pixels close
@@ -413,8 +419,8 @@ def exact_pack(seed=0, grids=((3, 5), (4, 4), (2, 6)), s=None):
     rng = np.random.default_rng(seed)
     images = [rng.integers(0, 256, (gh * P, gw * P, 3), dtype=np.uint8) for gh, gw in grids]
     sizes = [im.shape[:2] for im in images]
-    ds = NativeDataset(ArrayImages(torch.from_numpy(np.concatenate([im.reshape(-1) for im in images])),
-                                   sizes), torch.arange(len(images)), ["x"] * len(images))
+    pixels = torch.from_numpy(np.concatenate([im.reshape(-1) for im in images]))
+    ds = NativeDataset(ArrayImages(pixels, sizes), torch.arange(len(images)), ["x"] * len(images))
     return ds, images, s, pack_fields(ds, s, list(range(len(images))))
 
 

@@ -313,7 +313,8 @@ def header_size(head: bytes) -> tuple[int, int] | None:
         if m in _SOF:
             if i + 9 > n:
                 return None
-            h, w = int.from_bytes(head[i + 5:i + 7], "big"), int.from_bytes(head[i + 7:i + 9], "big")
+            h = int.from_bytes(head[i + 5:i + 7], "big")
+            w = int.from_bytes(head[i + 7:i + 9], "big")
             return (h, w) if h and w else None
         i += 2 + int.from_bytes(head[i + 2:i + 4], "big")
     return None

@@ -231,7 +231,7 @@ def read_split_native(root: str, split: str, classes: list[str], workers: int = 
     from vitgraph.data.native import FileImages, NativeDataset, read_sizes
     split_dir = os.path.join(root, split)
     paths, labels = list_files(split_dir, classes)
-    sizes, bad = read_sizes(len(paths), lambda i: file_size(paths[i]), workers, split_dir)
+    sizes, bad = read_sizes(len(paths), lambda i: file_size(paths[i]), workers)
     _report_unreadable(split_dir, [bad[i] for i in sorted(bad)], len(paths))
     keep = [i for i in range(len(paths)) if i not in bad]
     images = FileImages([paths[i] for i in keep], sizes[keep], workers, decode)

@@ -206,7 +206,7 @@ def _sizes_cache(cache_dir: str | None, paths: list[str], split: str) -> str | N
 
 
 def member_sizes(paths: list[str], entries: list[tuple[int, int, int]], hws: list,
-                 workers: int, cache: str | None, split_dir: str) -> np.ndarray:
+                 workers: int, cache: str | None) -> np.ndarray:
     """int64 [N, 2] (h, w) of every sample's image: from index.json's ``hw`` where each sample
     has one, else from the cache file, else from the members' headers (in ``workers``
     threads; written to the cache). A sample whose header does not read is (0, 0)."""
@@ -220,9 +220,8 @@ def member_sizes(paths: list[str], entries: list[tuple[int, int, int]], hws: lis
         except Exception:  # truncated or foreign: read the headers again
             pass
     from vitgraph.data.native import read_sizes
-    sizes, bad = read_sizes(len(entries), lambda i: _member_size(paths[entries[i][0]],
-                                                                 *entries[i][1:]),
-                            workers, split_dir)
+    sizes, _ = read_sizes(len(entries), lambda i: _member_size(paths[entries[i][0]],
+                                                               *entries[i][1:]), workers)
     if cache:
         import tempfile
         os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -255,8 +254,7 @@ def read_shard_split_native(root: str, split: str, workers: int, decode: str,
     if classes is None:
         n = max(labels) + 1 if labels else 0
         classes = [str(i) for i in range(max(n, 1))]
-    sizes = member_sizes(paths, entries, hws, workers, _sizes_cache(cache_dir, paths, split),
-                         os.path.join(root, split))
+    sizes = member_sizes(paths, entries, hws, workers, _sizes_cache(cache_dir, paths, split))
     keep = np.nonzero((sizes > 0).all(1))[0].tolist()
     if len(keep) < len(entries):
         if not keep:
