@@ -448,6 +448,11 @@ class PackedLoader:
     def next_step(self) -> list[tuple]:
         """This rank's ``num_microbatches`` packs of the next step (``pack_fields``)."""
         packs = self.next_packs()
+        n = np.array([int(self.tokens[i]) for p in packs for i, _ in p], dtype=np.int64)
+        # the whole step's (every rank's) counts, for img/s, real tokens/s and FLOPs
+        self.last_counts = {"images": len(n), "tokens": int(n.sum()),
+                            "patches": int(n.sum()) - len(n) * self.spec.num_prefix,
+                            "token_pairs": int((n * n).sum())}
         m = self.num_microbatches
         return [self._fields(p) for p in packs[self.dp_rank * m:(self.dp_rank + 1) * m]]
 
