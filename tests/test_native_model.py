@@ -32,6 +32,9 @@ def tower_config(d):
     from vitgraph.config import load_config
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
     base = transformer_config(resolve_plan(cfg, d), cfg.model, d)
+    # fp32 on the CPU on any machine: the comparisons below are at 1e-5
+    base = dataclasses.replace(base, bf16=False, params_dtype=torch.float32,
+                               pipeline_dtype=torch.float32, use_cpu_initialization=True)
     return resize(base, hidden_size=ARCH.hidden_size, num_layers=ARCH.num_layers,
                   num_heads=ARCH.num_heads, ffn_hidden_size=ARCH.ffn_hidden_size,
                   activation="gelu", eps=1e-6)
@@ -203,7 +206,8 @@ def test_packed_sdpa_is_per_segment_sdpa(dist1):
 
 NATIVE = ["model.spec=torch", "data.resolution=native", "data.packing.max_patches=24",
           "data.packing.tokens_per_microbatch=96", "data.packing.max_images=5",
-          "train.micro_batch_size=1", "train.global_batch_size=2", "model.num_layers=1"]
+          "train.micro_batch_size=1", "train.global_batch_size=2", "model.num_layers=1",
+          "train.precision=fp32"]
 
 
 def native_config(path, *over):
@@ -245,20 +249,22 @@ def test_classification_task_on_a_pack(dist1):
         torch.nn.init.normal_(model.head.weight)
     grids = [(3, 5), (4, 4), (2, 7)]
     raw = raw_pack(task.pack, grids, [3, 1, 4])
-    inputs = task.prepare(raw, None, torch.device("cpu"), True)
+    inputs = task.prepare(raw, None, dist1.device, True)
     assert [t.shape for t in inputs] == [(96, 48), (96, 4), (96,), (task.pack.num_segments + 1,),
                                          (5,)]
     out = task.forward(model, inputs)
     loss, stats = task.loss(inputs, out)
-    ref = F.cross_entropy(out[:3], torch.tensor([3, 1, 4]), label_smoothing=0.1)
+    labels = torch.tensor([3, 1, 4], device=out.device)
+    ref = F.cross_entropy(out[:3], labels, label_smoothing=0.1)
     torch.testing.assert_close(loss, ref)
-    correct = (out[:3].argmax(-1) == torch.tensor([3, 1, 4])).sum()
-    torch.testing.assert_close(stats, torch.stack([ref * 3, correct.float(), torch.tensor(3.)]))
+    correct = (out[:3].argmax(-1) == labels).sum()
+    torch.testing.assert_close(stats.cpu(), torch.stack([ref * 3, correct.float(),
+                                                         torch.tensor(3.0)]).cpu())
     per_token, pair = task.flops_per_token
     n = torch.tensor([1 + 15, 1 + 16, 1 + 14], dtype=torch.float64)
     assert task.pack_flops(raw) == pytest.approx(float((n * (per_token + pair * n)).sum()))
     assert "packs of 96 tokens" in task.describe([model], 1)
-    empty = task.prepare(raw_pack(task.pack, [], []), None, torch.device("cpu"), True)
+    empty = task.prepare(raw_pack(task.pack, [], []), None, dist1.device, True)
     loss, stats = task.loss(empty, task.forward(model, empty))
     assert loss.item() == 0.0 and stats.tolist() == [0.0, 0.0, 0.0]
 
@@ -299,7 +305,7 @@ def test_contrastive_task_on_a_pack(dist1):
     grids = [(3, 5), (4, 4), (2, 7)]
     tokens = torch.randint(1, 200, (5, 32), generator=torch.Generator().manual_seed(2))
     raw = (*raw_pack(task.pack, grids, [3, -1, 4]), tokens)
-    inputs = task.prepare(raw, None, torch.device("cpu"), True)
+    inputs = task.prepare(raw, None, dist1.device, True)
     assert inputs[-1].tolist() == [3, -1, 4, -2, -2]  # -1: unlabelled, kept; -2: no image
     out = task.forward(model, inputs)
     loss, stats = task.loss(inputs, out)
@@ -307,9 +313,49 @@ def test_contrastive_task_on_a_pack(dist1):
     torch.testing.assert_close(loss, siglip_loss(image[:3], text[:3], scale, bias))
     assert stats[2].item() == 3
     for i, grid in enumerate(grids):
-        one = task.prepare((*raw_pack(task.pack, [grid], [0]), tokens), None, "cpu", True)
-        rows = images(grids)[i]
-        one[0][:grid[0] * grid[1]] = pk.normalise(rows, "cpu")
+        one = task.prepare((*raw_pack(task.pack, [grid], [0]), tokens), None, dist1.device,
+                           True)
+        one[0][:grid[0] * grid[1]] = pk.normalise(images(grids)[i], dist1.device)
         torch.testing.assert_close(task.forward(model, one)[0][0], image[i], atol=1e-5,
                                    rtol=1e-5)
     assert task.pack_flops(raw) > 3 * task.text_flops
+
+
+@pytest.mark.gpu
+def test_te_thd_pack_matches_the_torch_spec_and_each_image_alone(dist1):
+    """TE's thd attention (bf16, GPU): a pack gives what the torch spec's block-diagonal
+    SDPA gives with the same weights, and what each image gives in a pack of its own."""
+    from vitgraph.models.specs import get_layer_spec, te_available
+    from vitgraph.models.vit import ViT
+    if not te_available():
+        pytest.skip("needs Transformer Engine")
+    config = dataclasses.replace(tower_config(dist1), bf16=True, params_dtype=torch.bfloat16,
+                                 pipeline_dtype=torch.bfloat16, use_cpu_initialization=False)
+    spec = spec_for(True, 1)
+    models = {}
+    for name in ("te", "torch"):
+        torch.manual_seed(0)
+        models[name] = ViT(config, get_layer_spec(name), ARCH, 7, num_registers=1, pack=spec,
+                           pos_interp="bicubic")
+    with torch.no_grad():
+        for p in models["te"].parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    missing, _ = models["torch"].load_state_dict(models["te"].state_dict(), strict=False)
+    assert not missing
+
+    def on_gpu(inputs):
+        x, *rest = (t.cuda() for t in inputs)
+        return (x.bfloat16(), *rest)
+
+    rows, inputs, _ = pack_of(GRIDS, spec)
+    inputs = on_gpu(inputs)
+    te = models["te"](*inputs).float()
+    torch.testing.assert_close(te, models["torch"](*inputs).float(), atol=3e-2, rtol=3e-2)
+    for i, grid in enumerate(GRIDS):
+        _, one, _ = pack_of([grid], spec)
+        one[0][spec.num_prefix:spec.num_prefix + grid[0] * grid[1]] = pk.normalise(rows[i], "cpu")
+        alone_out = models["te"](*on_gpu(one))[0].float()
+        torch.testing.assert_close(te[i], alone_out, atol=3e-2, rtol=3e-2)
+    te[:len(GRIDS)].sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in models["te"].parameters()
+               if p.grad is not None)

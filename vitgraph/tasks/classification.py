@@ -128,13 +128,11 @@ def prepare_pack(raw, key, device, first_stage: bool, cfg, d) -> tuple:
         from vitgraph.data.native import pack_inputs
     except ImportError:
         pack_inputs = None
-    if pack_inputs is not None:
+    if first_stage and pack_inputs is not None:
         out = tuple(pack_inputs(raw[:5], device, cfg.data.augment, key, cfg.train.seed,
                                 d.dp_rank))[:5]
-        if not first_stage:
-            out = (None, *out[1:])
-    else:
+    else:  # a later stage needs the layout only
         coords, seg, cu, labels = (t.to(device, non_blocking=True) for t in raw[1:5])
         x = pk.normalise(raw[0], device) if first_stage else None
-        out = (x, coords, seg, cu, labels)
+        out = (x, coords.long(), seg.long(), cu.int(), labels)
     return (*out, *(t.to(device, non_blocking=True) for t in raw[5:]))
