@@ -144,6 +144,18 @@ def test_resume_is_exact(crop):
         PackedLoader(ds, s, 2, 1, 2, seed=4).load_state_dict(state)
 
 
+def test_last_counts_are_the_steps_over_every_rank():
+    ds, s = toy(200), spec()
+    ranks = [PackedLoader(ds, s, 2, r, 2, seed=0) for r in range(2)]
+    steps = [ld.next_step() for ld in ranks]
+    assert ranks[0].last_counts == ranks[1].last_counts
+    seg_lens = [torch.diff(f[3])[:int((f[4] >= 0).sum())] for st in steps for f in st]
+    n = torch.cat(seg_lens).long()
+    assert ranks[0].last_counts == {"images": len(n), "tokens": int(n.sum()),
+                                    "patches": int((n - 1).sum()),
+                                    "token_pairs": int((n * n).sum())}
+
+
 def test_every_image_once_per_epoch_carry_included():
     n = 97
     ds, s = toy(n, hi=40), spec(tokens=150, max_images=5)

@@ -346,8 +346,8 @@ class PackedLoader:
 
     Each epoch draws a permutation as ``MicrobatchLoader`` does (seeded by (seed, epoch);
     shard-wise for WebDataset). A step fills ``num_microbatches x dp_size`` packs first-fit
-    (``packing.fill_packs``) from a window of ``window`` images (0: ``max_images`` per pack):
-    the images left over from the last step first, then the next ones of the permutation.
+    (``packing.fill_packs``) from a window of ``window`` images (0: ``max_images`` per pack;
+    at most the dataset): the images left over from the last step first, then the next ones of the permutation.
     Every rank computes the same packs and takes its ``num_microbatches`` in order
     (rank r: packs r*m .. r*m+m-1), so the step's union does not depend on dp.
 
@@ -399,6 +399,9 @@ class PackedLoader:
         self._pos = 0  # the next image's place in the epoch's permutation
         self._carry: list[tuple[int, int]] = []  # (image, epoch) left over, in order
         self._perms: dict[int, torch.Tensor] = {}
+        # the step handed out last, over every rank's packs: images, tokens (prefix included),
+        # real patches and the sum of squared image token counts (attention's pairs)
+        self.last_counts: dict | None = None
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
@@ -436,7 +439,13 @@ class PackedLoader:
                                  self.spec, self.num_packs)
         self._carry = [items[j] for j in left]
         self.step += 1
-        return [[items[j] for j in p] for p in packs]
+        packs = [[items[j] for j in p] for p in packs]
+        placed = np.array([i for p in packs for i, _ in p], dtype=np.int64)
+        n = self.tokens[placed]
+        self.last_counts = {"images": len(placed), "tokens": int(n.sum()),
+                            "patches": int((n - self.spec.num_prefix).sum()),
+                            "token_pairs": int((n * n).sum())}
+        return packs
 
     def _fields(self, pack: list[tuple[int, int]]) -> tuple:
         idx = [i for i, _ in pack]
