@@ -47,6 +47,24 @@ steps 50-150 timed), each against vitgraph's best bench row at its micro-batch i
 
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
+
+Native resolution (``--native``): one fixed stream of ``--images`` image sizes (seeded; aspect
+ratio 0.5-2, shorter side 128-512, each at its NaFlex grid for ``--max-patches``) through
+
+    python scripts/bench.py --native --models vit_b16_224 --max-patches 576 1024 \
+        --out benchmarks/h200/native-vit_b16.json
+
+  vitgraph+packed[+graphs|+step-graphs]  the Trainer at data.resolution=native: packs of
+                         --pack-tokens tokens (--packs-per-step a step), thd attention, eager /
+                         layer graphs / the step as one graph
+  vitgraph+padded[+step-graphs]  each image in a slot of max_patches tokens of its own (a
+                         key-padding mask), --timm-batch slots a step: what a fixed-shape graph
+                         needs without packing
+  timm-naflex[+compile]  timm's NaFlexVit (vitgraph's geometry, or --timm-arch) as timm's NaFlex
+                         loader feeds it: --timm-batch images padded to max_patches with
+                         patch_valid masks, autocast bf16, fused AdamW
+Rows report ``images_per_s``, ``real_tokens_per_s`` (patch tokens of real images per second),
+``tokens_per_s`` (computed, padding included) and ``real_share``.
 """
 from __future__ import annotations
 
@@ -54,6 +72,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -390,6 +409,372 @@ def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters
     return {"images_per_s": mb / m.pop("sec"), **m}
 
 
+# ---------------------------------------------------------------- native resolution (--native)
+
+# system -> (attention layout, graphs.impl or None, graphs.scope) of vitgraph's native rows
+NATIVE_SYSTEMS = {"vitgraph+packed": ("thd", None, "layer"),
+                  "vitgraph+packed+graphs": ("thd", "local", "layer"),
+                  "vitgraph+packed+step-graphs": ("thd", "local", "step"),
+                  "vitgraph+padded": ("padded", None, "layer"),
+                  "vitgraph+padded+step-graphs": ("padded", "local", "step")}
+NATIVE_PEERS = ("timm-naflex", "timm-naflex+compile")
+NATIVE_MODELS = ("vit_b16_224", "vit_l16_224", "vit_so400m16_256")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def native_stream(n: int, seed: int, patch: int, max_patches: int, sides=(128, 512),
+                  aspect=(0.5, 2.0)) -> list[tuple[int, int]]:
+    """The benchmark's fixed stream: ``n`` image sizes, aspect ratio (w / h) log-uniform in
+    ``aspect``, shorter side uniform in ``sides``, each at its NaFlex grid
+    (vitgraph.data.packing.native_grid) for ``max_patches``. Seeded: every system of a run,
+    and every run, sees the same images."""
+    import random
+    from vitgraph.data.packing import native_grid
+    rng = random.Random(seed)
+    lo, hi = math.log(aspect[0]), math.log(aspect[1])
+    grids = []
+    for _ in range(n):
+        a, s = math.exp(rng.uniform(lo, hi)), rng.randint(*sides)
+        h, w = (s, round(s * a)) if a >= 1 else (round(s / a), s)
+        grids.append(native_grid(h, w, patch, max_patches))
+    return grids
+
+
+def packed_steps(grids: list, spec, packs_per_step: int) -> list[list[list[int]]]:
+    """The stream packed as the loader packs it: each step's ``packs_per_step`` packs filled
+    first-fit from a window of ``packs_per_step * max_images`` images (those that fit nowhere
+    wait at the head of the next window), in stream order; steps while a full window is left."""
+    from vitgraph.data.packing import fill_packs
+    window = packs_per_step * spec.max_images
+    steps, carry, at = [], [], 0
+    while at + window - len(carry) <= len(grids):
+        order = carry + list(range(at, at + window - len(carry)))
+        at += window - len(carry)
+        packs, carry = fill_packs(order, lambda i: spec.image_tokens(grids[i]), spec,
+                                  packs_per_step)
+        steps.append(packs)
+    return steps
+
+
+def batched_steps(grids: list, per_step: int) -> list[list[int]]:
+    """The stream in batches of ``per_step`` images (whole batches only)."""
+    return [list(range(i, i + per_step)) for i in range(0, len(grids) - per_step + 1, per_step)]
+
+
+class _Pixels:
+    """Patch rows for any image: slices of one random pool (only the sizes matter here)."""
+
+    def __init__(self, patch_dim: int, seed: int, rows: int = 8192):
+        g = torch.Generator().manual_seed(seed)
+        self.pool = torch.randint(0, 256, (rows, patch_dim), generator=g, dtype=torch.uint8)
+
+    def rows(self, i: int, grid) -> torch.Tensor:
+        n = grid[0] * grid[1]
+        idx = (torch.arange(n) + i * 977) % self.pool.shape[0]
+        return self.pool[idx]
+
+
+def _measure_cycle(steps: list, counts: list, warmup: int, iters: int) -> dict:
+    """Images and real (patch) tokens per second: ``steps`` (callables) run in a cycle, each
+    with its ``counts`` (images, real tokens, tokens computed); ``warmup`` steps first, then
+    3 blocks of ``iters`` steps, the median block's rates. Peak memory and the GPU's clocks as
+    ``_measure`` records them."""
+    k = 0
+    for _ in range(warmup):
+        steps[k % len(steps)]()
+        k += 1
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    blocks = []
+    with GpuSampler() as gpu:
+        for _ in range(3):
+            done = [0, 0, 0]
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                steps[k % len(steps)]()
+                done = [a + b for a, b in zip(done, counts[k % len(steps)])]
+                k += 1
+            _sync()
+            sec = time.perf_counter() - t0
+            blocks.append((done[1] / sec, done[0] / sec, done[2] / sec, sec / iters))
+    blocks.sort()
+    real, images, computed, sec = blocks[1]
+    out = {"images_per_s": images, "real_tokens_per_s": real, "tokens_per_s": computed,
+           "real_share": real / computed, "sec_per_step": sec, **gpu.summary()}
+    if torch.cuda.is_available():
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    return out
+
+
+def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int, *,
+                          pack_tokens: int, max_images: int, packs_per_step: int,
+                          padded_images: int, warmup: int, iters: int, num_classes: int,
+                          overrides: list[str] = (), seed: int = 0) -> dict:
+    """vitgraph's Trainer step on the stream at native resolution: packs of ``pack_tokens``
+    (``packs_per_step`` a step, thd attention), or each image padded to ``max_patches`` in a
+    slot of its own (``padded_images`` slots, one microbatch a step; a key-padding mask),
+    as ``system`` (NATIVE_SYSTEMS) says. Its microbatches, made from the stream beforehand,
+    are on the device as the loader's prefetcher hands them over."""
+    from vitgraph.config import load_config
+    from vitgraph.data.packing import PackSpec, assemble
+    from vitgraph.models import packed as pk
+    from vitgraph.train.loop import Trainer
+    attention, impl, scope = NATIVE_SYSTEMS[system]
+    padded = attention == "padded"
+    k = 1 if padded else packs_per_step
+    over = [f"model.name={model}", "model.spec=te", "data.kind=shapes", "data.num_train=64",
+            "data.num_val=64", "data.render_size=32", f"model.num_classes={num_classes}",
+            "data.resolution=native", f"data.packing.max_patches={max_patches}",
+            "train.micro_batch_size=1", "train.steps=100000", "train.precision=bf16",
+            "train.tensorboard=false", "train.progress=false", "optim.clip_grad=1.0",
+            "data.augment.enabled=false", "train.label_smoothing=0",
+            "data.augment.mixup_alpha=0", "data.augment.cutmix_alpha=0",
+            f"run.dir=/tmp/vitgraph-bench/native-{model}-{max_patches}-{system}"]
+    over += (["graphs.enabled=true", f"graphs.impl={impl}", f"graphs.scope={scope}",
+              "graphs.warmup_steps=2"] if impl else ["graphs.enabled=false"])
+    over += [*overrides]
+    probe = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
+                        [*over, f"data.packing.tokens_per_microbatch={pack_tokens}",
+                         f"train.global_batch_size={_world()}"])
+    from vitgraph.models.registry import resolve_arch
+    prefix = int(probe.model.class_token) + probe.model.num_registers
+    patch = resolve_arch(probe.model).patch_size
+    slots = padded_images if padded else max_images
+    tokens = padded_images * (prefix + max_patches) if padded else pack_tokens
+    spec = PackSpec(tokens=tokens, max_images=slots, max_patches=max_patches, num_prefix=prefix,
+                    patch_size=patch)
+    dp = _world() // (probe.parallel.tp * probe.parallel.pp)
+    over += [f"data.packing.tokens_per_microbatch={tokens}", f"data.packing.max_images={slots}",
+             f"train.global_batch_size={k * dp}"]
+    cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
+    build = None
+    if padded:  # the model helper's padded slots (build_model's packed_attention)
+        import functools
+        import vitgraph.tasks.classification as cls_task
+        build = cls_task.build_model
+        cls_task.build_model = functools.partial(build, packed_attention="padded")
+    try:
+        trainer = Trainer(cfg)
+    finally:
+        if build is not None:
+            cls_task.build_model = build
+    rank = trainer.d.dp_rank
+    pixels = _Pixels(spec.patch_dim, seed)
+    labels = torch.randint(0, num_classes, (len(grids),), generator=torch.Generator().manual_seed(seed))
+    if padded:  # this rank's share of each step's images, one microbatch of slots
+        plan = [[b[rank * padded_images:(rank + 1) * padded_images]]
+                for b in batched_steps(grids, padded_images * dp)]
+    else:
+        plan = [s[rank * k:(rank + 1) * k] for s in packed_steps(grids, spec, k * dp)]
+    make = pk.padded_layout if padded else assemble
+    batches, counts = [], []
+    for step in plan:
+        mbs = []
+        for idx in step:
+            g = [grids[i] for i in idx]
+            fields = make([pixels.rows(i, grids[i]) for i in idx], g,
+                          [int(labels[i]) for i in idx], spec)
+            mbs.append(tuple(t.to(trainer.d.device) for t in fields))
+        batches.append(mbs)
+        n_img = sum(len(idx) for idx in step)
+        real = sum(grids[i][0] * grids[i][1] for idx in step for i in idx)
+        counts.append((n_img * dp, real * dp, len(step) * spec.tokens * dp))
+    state = {"step": 0}
+
+    def one(mbs):
+        def step():
+            trainer.graphs.step_begin(state["step"])
+            trainer.train_step(mbs)
+            state["step"] += 1
+        return step
+
+    try:
+        m = _measure_cycle([one(b) for b in batches], counts, warmup, iters)
+        extra = {}
+        if trainer.graphs.stats():
+            extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
+                                    if isinstance(v, (int, float, str, bool))}
+        return {**m, "attention": attention, "pack_tokens": spec.tokens,
+                "max_images": spec.max_images, "microbatches": k, "steps_in_stream": len(plan),
+                "images_in_stream": sum(c[0] for c in counts), **extra}
+    finally:
+        trainer.close(shutdown_dist=False)
+        del trainer
+
+
+def timm_naflex_model(model: str, num_classes: int, arch_name: str | None = None):
+    """timm's NaFlexVit with the geometry of vitgraph's ``model`` (class token, token pooling,
+    no LayerScale: the same function), or timm's entry ``arch_name`` at that width and depth
+    (e.g. naflexvit_base_patch16_gap: LayerScale, 4 registers, average pooling). Position
+    grid resampled by grid_sample (no host sync, as vitgraph's)."""
+    import timm
+    from vitgraph.convert.naflex import naflex_model_args
+    from vitgraph.models.registry import get_arch
+    arch = get_arch(model)
+    args = naflex_model_args(arch, class_token=True, num_registers=0, pool="cls",
+                             activation="gelu", pos_interp="bicubic", num_classes=num_classes)
+    if arch_name:
+        keep = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio",
+                "pos_embed_grid_size", "pos_embed_use_grid_sample", "num_classes")
+        args = {k: args[k] for k in keep}
+    return timm.create_model(arch_name or "naflexvit_base_patch16_gap", **args), \
+        arch_name or "NaFlexVit(vitgraph geometry)"
+
+
+def bench_timm_naflex(model: str, grids: list, max_patches: int, compile_mode: str | None, *,
+                      batch: int, warmup: int, iters: int, num_classes: int,
+                      arch_name: str | None = None, seed: int = 0) -> dict:
+    """timm's NaFlexVit on the stream as timm's NaFlex loader feeds it: ``batch`` images a
+    step, each padded to the collator's sequence length (``max_patches``, timm's
+    NaFlexCollator(max_seq_len)), patch_coord and patch_valid masks; autocast bf16, fused
+    AdamW, grad clipping at 1."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    net, name = timm_naflex_model(model, num_classes, arch_name)
+    net = net.to(dev).train()
+    p = net.embeds.patch_size[0]
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=dev == "cuda")
+    fwd = net if compile_mode is None else torch.compile(
+        net, mode=None if compile_mode == "default" else compile_mode)
+    pixels = _Pixels(3 * p * p, seed)
+    labels = torch.randint(0, num_classes, (len(grids),), generator=torch.Generator().manual_seed(seed))
+    batches, counts = [], []
+    for idx in batched_steps(grids, batch):
+        x = torch.zeros(batch, max_patches, 3 * p * p, dtype=torch.uint8)
+        coord = torch.zeros(batch, max_patches, 2, dtype=torch.int64)
+        valid = torch.zeros(batch, max_patches, dtype=torch.bool)
+        for j, i in enumerate(idx):
+            gh, gw = grids[i]
+            n = gh * gw
+            # timm's patches are (row, col, channel); ours (channel, row, col)
+            x[j, :n] = pixels.rows(i, grids[i]).view(n, 3, p, p).permute(0, 2, 3, 1).reshape(n, -1)
+            r = torch.arange(n)
+            coord[j, :n, 0], coord[j, :n, 1] = r // gw, r % gw
+            valid[j, :n] = True
+        batches.append(tuple(t.to(dev) for t in (x, coord, valid, labels[idx])))
+        real = sum(grids[i][0] * grids[i][1] for i in idx)
+        counts.append((batch, real, batch * (max_patches + net.num_prefix_tokens)))
+    scale = torch.tensor(1 / 127.5, device=dev)
+
+    def one(b):
+        x8, coord, valid, y = b
+
+        def step():
+            if compile_mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            x = x8.float() * scale - 1.0  # (v / 255 - 0.5) / 0.5, as the loader normalises
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(
+                    fwd(x, patch_coord=coord, patch_valid=valid), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    m = _measure_cycle([one(b) for b in batches], counts, warmup, iters)
+    return {**m, "timm_model": name, "batch": batch, "padded_to": max_patches,
+            "steps_in_stream": len(batches), "images_in_stream": sum(c[0] for c in counts)}
+
+
+def native_jobs(args) -> list[tuple[str, int, str]]:
+    """(model, max_patches, system) in run order; the timm peers once per (model, max_patches),
+    in a single-GPU run only."""
+    jobs = []
+    for model in args.models:
+        for mp in args.max_patches:
+            for system in args.systems:
+                if system in NATIVE_PEERS and _world() > 1:
+                    continue
+                jobs.append((model, mp, system))
+    return jobs
+
+
+def run_native(args) -> int:
+    """--native: every (model, max_patches, system) row on one fixed stream; the JSON is
+    rewritten after each row."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rows, streams = [], {}
+    t_all = time.time()
+    for model, mp, system in native_jobs(args):
+        from vitgraph.models.registry import get_arch
+        patch = get_arch(model).patch_size
+        key = (patch, mp)
+        if key not in streams:
+            streams[key] = native_stream(args.images, args.seed, patch, mp)
+        grids = streams[key]
+        t0 = time.time()
+        try:
+            if system in NATIVE_PEERS:
+                res = bench_timm_naflex(model, grids, mp,
+                                        "default" if system.endswith("+compile") else None,
+                                        batch=args.timm_batch, warmup=args.warmup,
+                                        iters=args.iters, num_classes=args.num_classes,
+                                        arch_name=args.timm_arch, seed=args.seed)
+            else:
+                res = bench_vitgraph_native(model, system, grids, mp,
+                                            pack_tokens=args.pack_tokens,
+                                            max_images=args.max_images,
+                                            packs_per_step=args.packs_per_step,
+                                            padded_images=args.timm_batch,
+                                            warmup=args.warmup, iters=args.iters,
+                                            num_classes=args.num_classes,
+                                            overrides=args.override, seed=args.seed)
+            err = None
+        except Exception as e:
+            traceback.print_exc()
+            res, err = {}, f"{type(e).__name__}: {e}"[:500]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        graphs = False
+        if system in NATIVE_SYSTEMS and NATIVE_SYSTEMS[system][1]:
+            graphs = NATIVE_SYSTEMS[system][2]
+        row = {"system": system, "model": model, "resolution": "native", "max_patches": mp,
+               "stream": {"images": args.images, "seed": args.seed, "shorter_side": [128, 512],
+                          "aspect": [0.5, 2.0]},
+               "precision": "bf16", "graphs": graphs, "gpus": _world(),
+               "num_classes": args.num_classes, **res, "error": err,
+               "wall_s": round(time.time() - t0, 1)}
+        rows.append(row)
+        if rank0:
+            print(f"{model:18s} max_patches {mp:5d} {system:28s}: "
+                  f"{res.get('images_per_s', float('nan')):8.1f} img/s "
+                  f"{res.get('real_tokens_per_s', float('nan')) / 1e3:8.1f}k real tok/s "
+                  f"({100 * res.get('real_share', float('nan')):.0f}% real) "
+                  f"peak {res.get('peak_reserved_gib', float('nan')):5.1f} GiB reserved "
+                  f"({row['wall_s']}s, {time.time() - t_all:.0f}s in all)"
+                  + (f"  ERROR {err}" if err else ""), flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows},
+                                           indent=1))
+    if rank0:
+        print("\nreal tokens/s against timm-naflex+compile and vitgraph+padded (same model, "
+              "max_patches):")
+        for model in args.models:
+            for mp in args.max_patches:
+                same = [r for r in rows if r["model"] == model and r["max_patches"] == mp
+                        and r.get("real_tokens_per_s")]
+                for base_name in ("timm-naflex+compile", "vitgraph+padded+step-graphs",
+                                  "vitgraph+padded"):
+                    base = next((r for r in same if r["system"] == base_name), None)
+                    if base is None:
+                        continue
+                    for r in same:
+                        print(f"  {model:18s} {mp:5d} {r['system']:28s} "
+                              f"{r['real_tokens_per_s'] / base['real_tokens_per_s']:5.2f}x "
+                              f"{base_name}")
+    if _world() > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
 # ---------------------------------------------------------------- bundled configs as shipped
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -519,7 +904,8 @@ def provenance(args) -> dict:
             "source_sha256": tree.hexdigest(),
             "command": " ".join([sys.executable, *sys.argv]), "git_commit": commit,
             "git_dirty": dirty,
-            "gpu": torch.cuda.get_device_name(), "gpus": _world(), "host": platform.node(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "gpus": _world(), "host": platform.node(),
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn_torch": torch.backends.cudnn.version(),
             "transformer_engine": ver("transformer_engine"), "megatron_core": _mcore_version(),
@@ -527,7 +913,17 @@ def provenance(args) -> dict:
             "warmup": args.warmup, "iters": args.iters, "vitgraph_overrides": args.override,
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "method": "median of 3 blocks of `iters` steps, after `warmup` steps; "
-                      "peak memory over the timed steps (torch.cuda.max_memory_allocated)"}
+                      "peak memory over the timed steps (torch.cuda.max_memory_allocated)",
+            **(native_provenance(args) if getattr(args, "native", False) else {})}
+
+
+def native_provenance(args) -> dict:
+    return {"native": {k: getattr(args, k) for k in (
+                "images", "seed", "max_patches", "pack_tokens", "max_images", "packs_per_step",
+                "timm_batch", "timm_arch")},
+            "method": "median of 3 blocks of `iters` steps (cycling over the stream's steps), "
+                      "after `warmup` steps; a block's rates: its images and its real (patch) "
+                      "tokens over its time; peak memory over the timed steps"}
 
 
 def _mcore_version():
@@ -565,8 +961,28 @@ def main() -> int:
     ap.add_argument("--model", default="vit_l16_224",
                     choices=sorted([*TIMM_NAMES, *OPEN_CLIP_NAMES, *VITGRAPH_ONLY]))
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 256])
-    ap.add_argument("--systems", nargs="+", default=["vitgraph", "vitgraph+graphs", "timm",
-                                                     "timm+compile-reduce-overhead"])
+    ap.add_argument("--systems", nargs="+", default=None,
+                    help="default: vitgraph vitgraph+graphs timm timm+compile-reduce-overhead; "
+                         "with --native every native system")
+    ap.add_argument("--native", action="store_true",
+                    help="native resolution: one fixed stream of images of mixed sizes through "
+                         "packed / padded vitgraph and timm's NaFlexVit (see Native resolution)")
+    ap.add_argument("--models", nargs="+", default=["vit_b16_224"], choices=NATIVE_MODELS,
+                    help="--native: the models")
+    ap.add_argument("--max-patches", type=int, nargs="+", default=[576, 1024],
+                    help="--native: each image's patch grid at most")
+    ap.add_argument("--images", type=int, default=2048, help="--native: images in the stream")
+    ap.add_argument("--seed", type=int, default=0, help="--native: the stream's seed")
+    ap.add_argument("--pack-tokens", type=int, default=16384,
+                    help="--native: tokens of a pack (data.packing.tokens_per_microbatch)")
+    ap.add_argument("--max-images", type=int, default=64, help="--native: images in a pack")
+    ap.add_argument("--packs-per-step", type=int, default=4,
+                    help="--native: packs (microbatches) per step and data-parallel rank")
+    ap.add_argument("--timm-batch", type=int, default=64,
+                    help="--native: images per step of timm-naflex and of vitgraph+padded")
+    ap.add_argument("--timm-arch", default=None,
+                    help="--native: a timm naflexvit entry for the peer, at the model's width "
+                         "and depth (default: NaFlexVit of vitgraph's geometry)")
     ap.add_argument("--precisions", nargs="+", default=["bf16"],
                     choices=["bf16", "fp8-current", "fp8-delayed"])
     ap.add_argument("--num-classes", type=int, default=10)
@@ -596,6 +1012,15 @@ def main() -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if args.configs:
         return run_configs(args)
+    if args.native:
+        args.systems = args.systems or [*NATIVE_SYSTEMS, *NATIVE_PEERS]
+        unknown = [s for s in args.systems if s not in NATIVE_SYSTEMS and s not in NATIVE_PEERS]
+        if unknown:
+            ap.error(f"--native systems: {', '.join([*NATIVE_SYSTEMS, *NATIVE_PEERS])} "
+                     f"(not {', '.join(unknown)})")
+        return run_native(args)
+    args.systems = args.systems or ["vitgraph", "vitgraph+graphs", "timm",
+                                    "timm+compile-reduce-overhead"]
 
     rows = []
     for mb, system, precision, inputs in _jobs(args):

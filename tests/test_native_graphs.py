@@ -421,3 +421,56 @@ def test_packed_vit_step_graphs_equal_eager_over_a_hundred_packs(dist1):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     s = sg.stats()
     assert (s["captures"], s["replays"], s["unseen_shapes"]) == (1, 100, 0), s
+
+
+# ----------------------------------------------------------------------------------------------
+# scripts/bench.py --native on CPU (tiny model): the rows' code path cannot break silently
+
+
+def load_bench():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_native_stream_and_its_packing():
+    bench = load_bench()
+    grids = bench.native_stream(300, 0, 16, 576)
+    assert grids == bench.native_stream(300, 0, 16, 576)  # seeded: the same stream every run
+    assert all(gh * gw <= 576 for gh, gw in grids)
+    assert min(min(g) for g in grids) >= 4 and max(max(g) for g in grids) > 2 * min(max(g) for g in grids)
+    spec = PackSpec(tokens=4096, max_images=16, max_patches=576, num_prefix=1, patch_size=16)
+    steps = bench.packed_steps(grids, spec, 2)
+    seen = [i for s in steps for p in s for i in p]
+    assert len(seen) == len(set(seen)) and len(steps) > 5
+    for s in steps:
+        assert len(s) == 2 and all(sum(spec.image_tokens(grids[i]) for i in p) <= spec.tokens
+                                   and len(p) <= spec.max_images for p in s)
+    assert bench.batched_steps(grids, 64)[-1] == list(range(192, 256))
+
+
+def test_bench_native_rows_on_cpu(tmp_path):
+    import json
+    import types
+    bench = load_bench()
+    args = types.SimpleNamespace(
+        models=["vit_pico_patch4_32"], max_patches=[12], images=64, seed=0, pack_tokens=64,
+        max_images=6, packs_per_step=2, timm_batch=4, timm_arch=None, warmup=3, iters=2,
+        num_classes=3, out=tmp_path / "native.json", native=True,
+        systems=["vitgraph+packed+step-graphs", "vitgraph+padded", "timm-naflex"],
+        override=["model.spec=torch", "model.num_layers=1", "train.precision=fp32",
+                  "data.workers=1"])
+    assert bench.run_native(args) == 0
+    out = json.loads(args.out.read_text())
+    rows = {r["system"]: r for r in out["rows"]}
+    assert out["provenance"]["native"]["pack_tokens"] == 64
+    for name, r in rows.items():
+        assert r["error"] is None and r["images_per_s"] > 0 and r["real_tokens_per_s"] > 0, r
+        assert r["max_patches"] == 12 and r["resolution"] == "native"
+    packed = rows["vitgraph+packed+step-graphs"]
+    assert packed["graph_stats"]["captures"] == 1 and packed["graph_stats"]["unseen_shapes"] == 0
+    # the same stream and batches: timm and the padded slots pad every image to max_patches
+    assert rows["timm-naflex"]["real_share"] == pytest.approx(rows["vitgraph+padded"]["real_share"])
+    assert rows["timm-naflex"]["images_in_stream"] == rows["vitgraph+padded"]["images_in_stream"]
