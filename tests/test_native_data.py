@@ -80,8 +80,6 @@ def test_size_rule_edge_cases():
     assert (ds.image_tokens(s) == 1 + grids[:, 0] * grids[:, 1]).all()
 
 
-@pytest.mark.xfail(strict=True, reason="packing.native_grid's enlarging branch bisects against "
-                   "max_patches, so it never enlarges (the fix is the lead's: packing.py)")
 def test_min_patches_enlarges_small_images():
     assert native_grid(8, 8, 4, 64, min_patches=16) == (4, 4)
     assert native_grid(4, 4, 4, 64, min_patches=9) == (3, 3)

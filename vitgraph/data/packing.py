@@ -56,12 +56,13 @@ def native_grid(h: int, w: int, patch: int, max_patches: int, min_patches: int =
     if n < min_patches:  # enlarge: find an upper bound first
         while math.prod(grid_at(h, w, patch, hi)) < min_patches and hi < 1e6:
             hi *= 2
-    for _ in range(60):  # bisect the scale; grid size grows with it
+    for _ in range(60):  # bisect the scale; the grid grows with it
         mid = (lo + hi) / 2
-        if (math.prod(grid_at(h, w, patch, mid)) <= max_patches) == (n > max_patches):
-            lo = mid
-        else:
-            hi = mid
+        g = math.prod(grid_at(h, w, patch, mid))
+        if n > max_patches:  # the largest scale that fits: lo
+            lo, hi = (mid, hi) if g <= max_patches else (lo, mid)
+        else:  # the smallest that reaches min_patches: hi
+            lo, hi = (lo, mid) if g >= min_patches else (mid, hi)
     scale = lo if n > max_patches else hi
     gh, gw = grid_at(h, w, patch, scale)
     if gh * gw > max_patches:  # rounding at the boundary: step down a patch on the long side

@@ -57,19 +57,20 @@ class Prefetcher:
 
     def _make(self):
         """Background thread: the loader's next step, on the CPU, and its position after it."""
-        return self.loader.next_step(), self.loader.state_dict()
+        batches = self.loader.next_step()
+        return batches, self.loader.state_dict(), getattr(self.loader, "last_counts", None)
 
     def _stage(self, made):
         """Training thread: a made step onto the device from the side stream (an event marks
         when it is there); on CPU as it is."""
-        batches, state = made
+        batches, state, counts = made
         if not self.cuda:
-            return batches, state, None
+            return batches, (state, counts), None
         with torch.cuda.stream(self.stream):
             batches = [tuple(self._to_device(f) for f in mb) for mb in batches]
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        return batches, state, ready
+        return batches, (state, counts), ready
 
     def _to_device(self, field):
         if isinstance(field, EncodedImages):
@@ -100,8 +101,9 @@ class Prefetcher:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        (batches, state, ready), self._staged = self._staged, None
+        (batches, (state, counts), ready), self._staged = self._staged, None
         self._state = state
+        self.last_counts = counts  # of the step handed out (PackedLoader.last_counts)
         if ready is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_event(ready)

@@ -205,6 +205,14 @@ class SDPAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd and attention_mask is None and not self.causal:
+            from vitgraph.models.packed import segment_attention
+            p = packed_seq_params
+            if p.cu_seqlens_kv is not p.cu_seqlens_q:  # no host read to compare them
+                raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
+            out = segment_attention(query, key, value, p.cu_seqlens_q, int(p.max_seqlen_q),
+                                    self.dropout if self.training else 0.0, self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
         if thd:  # [t, h, d]: one sequence of segments
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]

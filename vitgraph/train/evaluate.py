@@ -59,7 +59,8 @@ class Evaluator:
     """The task's held-out metrics of a dataset, never augmented: forward-only through
     megatron's schedule over this rank's ``wrapped`` chunks, reduced by the task."""
 
-    def __init__(self, task, wrapped: list, chunks: list, d, batch_size: int, fp8: bool):
+    def __init__(self, task, wrapped: list, chunks: list, d, batch_size: int, fp8: bool,
+                 pack=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         self.task, self.wrapped, self.chunks, self.d = task, wrapped, chunks, d
         self.batch_size = batch_size
@@ -68,6 +69,26 @@ class Evaluator:
         # is a multiple of 16: a model that does not pad its tokens gets filled-up batches
         self.k = d.pp if d.vpp > 1 else 1
         self.fill = 16 if fp8 and getattr(chunks[0], "pad_to", None) is None else 1
+        self.pack = pack  # native resolution: held-out images in packs of this spec
+
+    def _batches(self, dataset):
+        """This rank's eval microbatches, ``k`` at a time (one schedule call each): packs at
+        native resolution (the last group filled up with empty packs), else each eval batch
+        split into equal microbatches."""
+        if self.pack is None:
+            for fields in iterate_eval(dataset, self.batch_size, self.d.dp_rank, self.d.dp):
+                yield split_padded(fields, self.k, self.fill, self.task.fill_label)
+            return
+        from vitgraph.data.native import iterate_eval_packs
+        group = []
+        for fields in iterate_eval_packs(dataset, self.pack, self.d.dp_rank, self.d.dp):
+            group.append(fields)
+            if len(group) == self.k:
+                yield group
+                group = []
+        if group:
+            empty = tuple(f.new_full(f.shape, -1) if i == 4 else f for i, f in enumerate(group[0]))
+            yield group + [empty] * (self.k - len(group))
 
     def _feed(self, microbatches: list, model):
         first_stage = unwrap(model).pre_process
@@ -85,9 +106,8 @@ class Evaluator:
         for w in self.wrapped:
             w.eval()
         outputs = []
-        for fields in iterate_eval(dataset, self.batch_size, self.d.dp_rank, self.d.dp):
-            mbs = split_padded(fields, self.k, self.fill, self.task.fill_label)
-            mb = len(mbs[0][1])
+        for mbs in self._batches(dataset):
+            mb = 1 if self.pack is not None else len(mbs[0][1])
             outputs += self.forward_backward(
                 forward_step_func=self._step,
                 data_iterator=[self._feed(mbs, w) for w in self.wrapped],
@@ -139,14 +159,19 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
     d = init_distributed(cfg)
     try:
         plan = resolve_plan(cfg, d)
-        train_set, val_set = build_datasets(cfg.data, cfg.train.seed)
+        if plan.native:
+            from vitgraph.data.native import build_native_datasets
+            train_set, val_set = build_native_datasets(cfg.data, cfg.train.seed)
+        else:
+            train_set, val_set = build_datasets(cfg.data, cfg.train.seed)
         task = make_task(plan, cfg, d)
         task.attach(train_set, val_set)
         chunks = task.build_model()
         wrapped = for_inference(chunks)
         step = ckpt.load_model(path, chunks)
         dataset = train_set if split == "train" else val_set
-        evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size, plan.fp8)
+        evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size, plan.fp8,
+                              plan.pack)
         data = {**data_identity(cfg.data), "split": split, "images": len(dataset.labels)}
         result = {"step": step, "checkpoint": str(path), "split": split,
                   "data": {k: data[k] for k in ("kind", "path", "split", "images")},

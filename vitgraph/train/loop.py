@@ -123,10 +123,17 @@ class Trainer:
         the model, its batches and its loss) with the datasets attached."""
         cfg, d, t = self.cfg, self.d, self.cfg.train
         t0 = time.time()
-        self.train_set, self.val_set = build_datasets(cfg.data, t.seed)
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
-        self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size, self.num_microbatches,
-                                       d.dp_rank, d.dp, t.seed)
+        if self.plan.native:  # one pack per microbatch (vitgraph.data.native)
+            from vitgraph.data.native import PackedLoader, build_native_datasets
+            self.train_set, self.val_set = build_native_datasets(cfg.data, t.seed)
+            self.loader = PackedLoader(self.train_set, self.plan.pack, self.num_microbatches,
+                                       d.dp_rank, d.dp, t.seed, cfg.data.packing.window,
+                                       augment_cfg=cfg.data.augment)
+        else:
+            self.train_set, self.val_set = build_datasets(cfg.data, t.seed)
+            self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size,
+                                           self.num_microbatches, d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.task = make_task(self.plan, cfg, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
@@ -163,7 +170,7 @@ class Trainer:
             _wire_ddp(self.model.config, self.wrapped, self.optimizer, cfg.parallel)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(self.task, self.wrapped, self.chunks, d,
-                                   t.eval_batch_size, plan.fp8)
+                                   t.eval_batch_size, plan.fp8, plan.pack)
         # graphs.scope=step captures the whole step; every other path runs it eagerly
         self.train_step = self._graphed_step if plan.graphs.scope == "step" else self._eager_step
 
@@ -227,7 +234,8 @@ class Trainer:
             for w in self.wrapped:
                 w.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mb = len(data[0][0][1]) if lazy else len(data[0][-1])  # labels: raw [1], prepared [-1]
+        # a pack is one sequence (micro-batch 1); else the labels' length: raw [1], prepared [-1]
+        mb = 1 if self.plan.native else len(data[0][0][1]) if lazy else len(data[0][-1])
         out = self.forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=[self._feed(data, w) if lazy else iter(data) for w in self.wrapped],
@@ -295,7 +303,9 @@ class Trainer:
             self.stops = StopRequests(collective_timeout(self.cfg)).install()
         health = StepHealth(t.max_bad_steps)
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
-                               self.flops_per_sample, t.peak_flops if self.d.cuda else None)
+                               self.flops_per_sample, t.peak_flops if self.d.cuda else None,
+                               flops_per_token=getattr(self.task, "flops_per_token", None)
+                               if self.plan.native else None)
         progress = Progress(self.total_steps, self.step, t.progress and self.d.rank == 0)
         t_start, first_step, record = time.time(), self.step, {}
         while self.step < self.total_steps:
@@ -304,7 +314,7 @@ class Trainer:
                                      getattr(self.loader, "stage_next", None))
             self.step += 1
             health.update(result.outcome)
-            window.add(result)
+            window.add(result, getattr(self.loader, "last_counts", None))
             if health.on_host():  # known without a sync: stop at once
                 health.check(self.step)
             due = self.schedule.after(self.step)

@@ -80,10 +80,13 @@ class MetricsWindow:
     known (CPU): then the record has no MFU."""
 
     def __init__(self, device: torch.device, d, global_batch: int, flops_per_sample: float,
-                 peak_flops: float | None):
+                 peak_flops: float | None, flops_per_token: tuple[float, float] | None = None):
         self.device, self.d = device, d
         self.global_batch, self.flops_per_sample = global_batch, flops_per_sample
         self.peak_flops = peak_flops
+        # native resolution: a step's images and tokens vary; the loader counts them on the
+        # host (PackedLoader.last_counts) and FLOPs are (per token, per attended token pair)
+        self.flops_per_token = flops_per_token
         self.stats = torch.zeros(3, device=device)
         self._clear()
 
@@ -92,9 +95,15 @@ class MetricsWindow:
         self.norm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.good = torch.zeros((), dtype=torch.long, device=self.device)
         self.steps = 0
+        self.counts = {"images": 0, "tokens": 0, "patches": 0, "token_pairs": 0}
         self.t0 = time.time()
 
-    def add(self, r: StepResult) -> None:
+    def add(self, r: StepResult, counts: dict | None = None) -> None:
+        """One step; ``counts``: its images and tokens over the world where they vary (packs:
+        images, tokens with their prefix, real patches, sum of squared image token counts)."""
+        if counts is not None:
+            for k in self.counts:
+                self.counts[k] += counts[k]
         self.stats += torch.where(r.ok, r.stats, torch.zeros_like(r.stats))
         self.norm += torch.where(r.ok, r.grad_norm.to(torch.float64), 0.0)
         self.good += r.ok.long()
@@ -110,15 +119,24 @@ class MetricsWindow:
         norm, good = float(self.norm), int(self.good)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        ips = self.steps * self.global_batch / (time.time() - self.t0)
-        tflops = ips * self.flops_per_sample / self.d.world / 1e12  # per GPU
+        dt = time.time() - self.t0
+        extra_rates = {}
+        if self.flops_per_token is not None:  # packs: what the loader counted
+            c, (per_token, per_pair) = self.counts, self.flops_per_token
+            ips = c["images"] / dt
+            flops = c["tokens"] * per_token + c["token_pairs"] * per_pair
+            tflops = flops / dt / self.d.world / 1e12
+            extra_rates["real_tokens_per_s"] = c["patches"] / dt
+        else:
+            ips = self.steps * self.global_batch / dt
+            tflops = ips * self.flops_per_sample / self.d.world / 1e12  # per GPU
         record = {"step": step, "epoch": extra.pop("epoch"),
                   # None when every step of the window was skipped
                   "loss": loss_sum / n if n else None,
                   "train_top1": correct / n if n else None,
                   "lr": extra.pop("lr"),
                   "grad_norm": norm / good if good else None,
-                  "images_per_s": ips, "tflops_per_gpu": tflops}
+                  "images_per_s": ips, **extra_rates, "tflops_per_gpu": tflops}
         if self.peak_flops:
             record["mfu"] = tflops * 1e12 / self.peak_flops
         record.update(peak_mem_gib=peak_mem_gib(self.device), **extra)
