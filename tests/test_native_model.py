@@ -18,10 +18,11 @@ dist1 = world_of_one("torch")
 ARCH = ViTArch(hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, patch_size=4,
                image_size=16)  # a 4 x 4 learned position grid
 GRIDS = [(3, 5), (4, 4), (2, 7), (6, 3)]
-POOLS = {  # pool -> (class token, registers, head, position interpolation)
-    "cls": (True, 2, "classifier", "bicubic"),
-    "mean": (True, 1, "classifier", "bilinear"),
-    "map": (False, 2, "map", "bicubic"),
+POOLS = {  # name -> (class token, registers, head, position interpolation, pool)
+    "cls": (True, 2, "classifier", "bicubic", "cls"),
+    "mean": (True, 1, "classifier", "bilinear", "mean"),
+    "map": (False, 2, "map", "bicubic", "mean"),  # SigLIP's tower: the pooled width
+    "map-classifier": (True, 1, "classifier", "bilinear", "map"),
 }
 
 
@@ -48,12 +49,11 @@ def spec_for(class_token, registers, max_images=5, tokens=96, max_patches=24):
 def make_vit(d, pool, attention="thd", seed=0, **kw):
     from vitgraph.models.specs import get_layer_spec
     from vitgraph.models.vit import ViT
-    cls, regs, head, interp = POOLS[pool]
+    cls, regs, head, interp, pooling = POOLS[pool]
     spec = spec_for(cls, regs, **kw)
     torch.manual_seed(seed)
     model = ViT(tower_config(d), get_layer_spec("torch", padding_mask=attention == "padded"),
-                ARCH, 7, num_registers=regs, class_token=cls,
-                pool="mean" if pool == "map" else pool, head=head, pack=spec,
+                ARCH, 7, num_registers=regs, class_token=cls, pool=pooling, head=head, pack=spec,
                 packed_attention=attention, pos_interp=interp)
     with torch.no_grad():  # away from the init's zeros (head) and ones (norms)
         for p in model.parameters():
@@ -95,9 +95,10 @@ def alone(model, rows, grid):
         tokens = torch.cat([prefix, tokens])
     h = model.final_norm(model.decoder(hidden_states=tokens[:, None], attention_mask=None)[:, 0])
     if hasattr(model, "attn_pool"):
-        return model.attn_pool(h[None, P:])[0]
-    feats = h[0] if model.pool == "cls" else h[P:].mean(0)
-    return model.head(feats)
+        feats = model.attn_pool(h[None, P:])[0]
+    else:
+        feats = h[0] if model.pool == "cls" else h[P:].mean(0)
+    return model.head(feats) if hasattr(model, "head") else feats
 
 
 @pytest.mark.parametrize("pool", sorted(POOLS))

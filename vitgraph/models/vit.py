@@ -118,13 +118,13 @@ class ViT(MegatronModule):
             # weight-gradient kernel alone here (ViT-L, mb 256, an H200)
             self.final_norm = LayerNorm(d, eps=config.layernorm_epsilon, device=device,
                                         dtype=dtype)
-            if head == "map":
+            if head == "map" or pool == "map":  # pool=map: a classifier on the pooled token
                 self.attn_pool = AttentionPool(d, arch.num_heads, arch.ffn_hidden_size, config,
                                                device=device, dtype=dtype)
-            elif head == "proj":
+            if head == "proj":
                 self.proj = torch.nn.Linear(d, embed_dim, bias=False, device=device, dtype=dtype)
                 torch.nn.init.normal_(self.proj.weight, std=d ** -0.5)
-            else:
+            elif head == "classifier":
                 self.head = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
                 torch.nn.init.zeros_(self.head.weight)
                 torch.nn.init.zeros_(self.head.bias)
@@ -238,15 +238,14 @@ class ViT(MegatronModule):
         hidden = hidden[: self.seq_len]
         hidden = self.final_norm(hidden)
         if hasattr(self, "attn_pool"):
-            return self.attn_pool(hidden[self.num_prefix:].transpose(0, 1))
-        if self.pool == "cls" and self.class_token:
+            feats = self.attn_pool(hidden[self.num_prefix:].transpose(0, 1))
+        elif self.pool == "cls" and self.class_token:
             feats = hidden[0]
         else:
             feats = hidden[self.num_prefix:].mean(dim=0)
         if hasattr(self, "proj"):
             return self.proj(feats)
-        return self.head(feats)
-
+        return self.head(feats) if hasattr(self, "head") else feats
 
     def embed_packed(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         """[T, 3 p^2] patch rows -> [T, d] tokens (vitgraph.models.packed.embed_tokens)."""
@@ -289,14 +288,14 @@ class ViT(MegatronModule):
         hidden = hidden.transpose(0, 1).reshape(T, -1) if padded else hidden[:, 0]
         hidden = self.final_norm(hidden)
         if hasattr(self, "attn_pool"):
-            return pk.pool_attention(self.attn_pool, hidden, seg, coords, M)
-        if self.pool == "cls" and self.class_token:
+            feats = pk.pool_attention(self.attn_pool, hidden, seg, coords, M)
+        elif self.pool == "cls" and self.class_token:
             feats = pk.pool_cls(hidden, cu_seqlens, M)
         else:
             feats = pk.pool_mean(hidden, seg, coords, M)
         if hasattr(self, "proj"):
             return self.proj(feats)
-        return self.head(feats)
+        return self.head(feats) if hasattr(self, "head") else feats
 
 
 class AttentionPool(torch.nn.Module):
