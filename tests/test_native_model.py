@@ -226,6 +226,9 @@ def test_plan_carries_the_pack_and_never_pads_it(dist1):
     assert plan.pos_interp == "bicubic"
     model = build_model(plan, cfg.model, dist1, 10, 0)[0]
     assert model.pack == plan.pack and model.padded_len(1) == 96
+    padded = build_model(plan, cfg.model, dist1, 10, 0, packed_attention="padded")[0]
+    assert padded.padded_len(1) == 5 * (3 + 24)  # M slots of max_len
+    assert padded.decoder.layers[0].self_attention.attn_mask_type.name == "padding"
     fixed = resolve_plan(native_config("vit-tiny-shapes.yaml", "data.resolution=fixed"), dist1)
     assert fixed.pack is None
     pair = resolve_plan(native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
