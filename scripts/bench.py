@@ -624,7 +624,9 @@ def timm_naflex_model(model: str, num_classes: int, arch_name: str | None = None
         keep = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio",
                 "pos_embed_grid_size", "pos_embed_use_grid_sample", "num_classes")
         args = {k: args[k] for k in keep}
-    return timm.create_model(arch_name or "naflexvit_base_patch16_gap", **args), \
+    # the SigLIP entry has no LayerScale (create_model drops init_values=None): every other
+    # choice is in args
+    return timm.create_model(arch_name or "naflexvit_base_patch16_siglip", **args), \
         arch_name or "NaFlexVit(vitgraph geometry)"
 
 

@@ -208,3 +208,37 @@ def test_naflex_config_rebuilds_the_same_timm_model():
     args = naflex_model_args(so400m, class_token=False, num_registers=0, pool="map",
                              activation="gelu_tanh", pos_interp="bilinear", num_classes=0)
     assert int(1152 * args["mlp_ratio"]) == 4304
+
+
+@pytest.mark.parametrize("name,over", [("vit_pico_patch4_32", {"num_registers": 2}),
+                                       ("vit_pico_patch4_32", {"class_token": False}),
+                                       ("siglip_tiny_patch4_32", {})])
+def test_a_run_s_naflex_config_builds_the_model_its_export_fills(name, over):
+    """What `vitgraph export --format timm` of a native run writes beside its weights."""
+    from vitgraph.config import ModelConfig
+    from vitgraph.convert.export_files import timm_naflex_config_for
+    from vitgraph.convert.naflex import export_format
+    from vitgraph.convert.weights import expected_names
+    from vitgraph.models.registry import CLIP_MODELS, resolve_arch
+    assert export_format("timm", True) == "timm_naflex" and export_format("timm", False) == "timm"
+    assert export_format("hf", True) == "hf"
+    cfg = ModelConfig(name=name, **over)
+    side = timm_naflex_config_for(cfg, 7, ["c%d" % i for i in range(7)])
+    pair = name in CLIP_MODELS
+    m = timm.create_model(side["architecture"], num_classes=side["num_classes"],
+                          **side["model_args"])
+    arch = resolve_arch(cfg)
+    ours = naflex_to_vitgraph(m.state_dict(), arch.num_heads, tower=pair)
+    if pair:  # the SigLIP tower: attention pooling, no class token, bilinear
+        assert side["model_args"]["pos_embed_interp_mode"] == "bilinear"
+        assert "visual.attn_pool.latent" in ours and "visual.cls_token" not in ours
+        assert ours["visual.pos_embed"].shape == (1, (arch.image_size // arch.patch_size) ** 2,
+                                                  arch.hidden_size)
+        return
+    assert side["label_names"][0] == "c0" and side["num_classes"] == 7
+    want = expected_names(arch, int(cfg.class_token) + cfg.num_registers, cfg.class_token,
+                          cfg.num_registers)
+    assert set(ours) == want
+    prefix = int(cfg.class_token) + cfg.num_registers
+    assert ours["pos_embed"].shape == (1, prefix + arch.num_patches(), arch.hidden_size)
+    assert side["model_args"]["global_pool"] == ("token" if cfg.class_token else "avg")

@@ -449,6 +449,11 @@ def test_bench_native_stream_and_its_packing():
         assert len(s) == 2 and all(sum(spec.image_tokens(grids[i]) for i in p) <= spec.tokens
                                    and len(p) <= spec.max_images for p in s)
     assert bench.batched_steps(grids, 64)[-1] == list(range(192, 256))
+    # the timm peer is vitgraph's function: class token, token pooling, no LayerScale
+    net, _ = bench.timm_naflex_model("vit_pico_patch4_32", 3)
+    keys = net.state_dict()
+    assert "embeds.cls_token" in keys and not any(".ls1." in k or "fc_norm" in k for k in keys)
+    assert net.global_pool == "token" and net.embeds.pos_embed_use_grid_sample
 
 
 def test_bench_native_rows_on_cpu(tmp_path):

@@ -103,15 +103,15 @@ def timm_config(name: str, arch, model_cfg, num_classes: int,
 def timm_naflex_config(arch, *, class_token: bool, num_registers: int, pool: str,
                        activation: str, pos_interp: str, num_classes: int,
                        classes: list[str] | None, ln_pre: bool = False) -> dict:
-    """timm's ``config.json`` for a ``NaFlexVit`` (``timm_naflex`` exports of a native run): a
-    SigLIP 2 NaFlex entry point (attention pooling) or the NaFlex ViT-B/16 one, with every
-    size and choice in ``model_args`` (vitgraph.convert.naflex.naflex_model_args)."""
+    """timm's ``config.json`` for a ``NaFlexVit`` (``timm_naflex`` exports of a native run):
+    the SigLIP 2 NaFlex ViT-B/16 entry point (no LayerScale) with every size and choice in
+    ``model_args`` (vitgraph.convert.naflex.naflex_model_args)."""
     from vitgraph.convert.naflex import naflex_model_args
     args = naflex_model_args(arch, class_token=class_token, num_registers=num_registers,
                              pool=pool, activation=activation, pos_interp=pos_interp,
                              num_classes=num_classes, ln_pre=ln_pre)
     args.pop("num_classes")
-    base = "naflexvit_base_patch16_siglip" if pool == "map" else "naflexvit_base_patch16_gap"
+    base = "naflexvit_base_patch16_siglip"
     pretrained_cfg = {"input_size": [3, arch.image_size, arch.image_size],
                       "fixed_input_size": False, "interpolation": "bicubic", "crop_pct": 1.0,
                       "mean": list(MEAN), "std": list(STD), "num_classes": num_classes,
@@ -122,3 +122,22 @@ def timm_naflex_config(arch, *, class_token: bool, num_registers: int, pool: str
     if classes:
         out["label_names"] = list(classes)
     return out
+
+
+def timm_naflex_config_for(model_cfg, num_classes: int, classes: list[str] | None) -> dict:
+    """``timm_naflex_config`` of a run's ``model:`` section: a classifier, or an image-text
+    pair's image tower (what vitgraph.convert.naflex exports of a pair)."""
+    from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch
+    from vitgraph.models.registry import resolve_pos_interp
+    interp = resolve_pos_interp(model_cfg)
+    if model_cfg.name in CLIP_MODELS:
+        pair = resolve_clip_arch(model_cfg)
+        return timm_naflex_config(pair.vision, class_token=pair.class_token, num_registers=0,
+                                  pool=pair.vision_pool, activation=pair.activation,
+                                  pos_interp=interp, num_classes=0, classes=None,
+                                  ln_pre=pair.ln_pre)
+    pool = "cls" if model_cfg.pool == "cls" and model_cfg.class_token else "mean"
+    return timm_naflex_config(resolve_arch(model_cfg), class_token=model_cfg.class_token,
+                              num_registers=model_cfg.num_registers, pool=pool,
+                              activation="gelu", pos_interp=interp, num_classes=num_classes,
+                              classes=classes)

@@ -192,11 +192,19 @@ def vitgraph_to_naflex(sd: dict, num_heads: int) -> dict:
     return out
 
 
+def export_format(fmt: str, native: bool) -> str:
+    """The format ``vitgraph export --format fmt`` writes: a native-resolution run's ``timm``
+    export is timm's NaFlexVit (``timm_naflex``), the model that runs it at native sizes."""
+    return "timm_naflex" if fmt == "timm" and native else fmt
+
+
 def naflex_model_args(arch, *, class_token: bool, num_registers: int, pool: str,
                       activation: str, pos_interp: str, num_classes: int,
                       ln_pre: bool = False) -> dict:
     """timm ``NaFlexVit`` keyword arguments (NaFlexVitCfg fields) for weights of this shape:
-    ``timm.create_model("naflexvit_base_patch16_siglip", **args)`` builds the same function."""
+    ``timm.create_model("naflexvit_base_patch16_siglip", **args)`` builds the same function
+    (an entry without LayerScale: timm.create_model drops None-valued arguments, so
+    ``init_values=None`` cannot switch an entry's LayerScale off)."""
     d, ffn = arch.hidden_size, arch.ffn_hidden_size
     ratio = ffn / d
     if int(d * ratio) != ffn:  # timm's MLP width is int(dim * mlp_ratio)
@@ -206,7 +214,7 @@ def naflex_model_args(arch, *, class_token: bool, num_registers: int, pool: str,
             "num_heads": arch.num_heads, "mlp_ratio": ratio, "class_token": class_token,
             "reg_tokens": num_registers,
             "global_pool": {"cls": "token", "mean": "avg", "map": "map"}[pool],
-            "fc_norm": False, "init_values": None, "pre_norm": ln_pre,
+            "fc_norm": False, "pre_norm": ln_pre,
             "act_layer": {"gelu": "gelu", "gelu_tanh": "gelu_tanh",
                           "quick_gelu": "quick_gelu"}[activation],
             "pos_embed_grid_size": (g, g), "pos_embed_interp_mode": pos_interp,
