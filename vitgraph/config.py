@@ -41,7 +41,8 @@ class ModelConfig:
     num_classes: Optional[int] = None  # None: the dataset's class count
     num_registers: int = 0
     class_token: bool = True
-    pool: str = key("cls", choices=("cls", "mean"))  # mean: over the patch tokens
+    # mean: over the patch tokens; map: attention pooling by a learned query (SigLIP's head)
+    pool: str = key("cls", choices=("cls", "mean", "map"))
     # data.resolution=native: how the learned position grid is resampled to each image's
     # patch grid (F.grid_sample per token); auto: bilinear for SigLIP towers, else bicubic
     pos_interp: str = key("auto", choices=("auto", "bicubic", "bilinear"))
@@ -507,7 +508,11 @@ def _validate_contrastive(cfg: Config, err) -> None:
 def _validate_native(cfg: Config, arch, err) -> None:
     """data.resolution=native: the packing keys against each other, the model and the layout."""
     k, t, p = cfg.data.packing, cfg.train, cfg.parallel
-    prefix = int(cfg.model.class_token) + cfg.model.num_registers
+    from vitgraph.models.registry import CLIP_MODELS, resolve_clip_arch
+    if task_kind(cfg) == "contrastive" and cfg.model.name in CLIP_MODELS:
+        prefix = int(resolve_clip_arch(cfg.model).class_token)  # a pair's own image tower
+    else:
+        prefix = int(cfg.model.class_token) + cfg.model.num_registers
     if k.min_patches > k.max_patches:
         err("data.packing.min_patches", k.min_patches,
             f"above data.packing.max_patches={k.max_patches}")

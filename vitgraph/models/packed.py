@@ -41,14 +41,21 @@ def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens: torch.Tensor, max_len: int, dropout: float = 0.0,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, rows: int | None = None) -> torch.Tensor:
     """Self-attention within segments (TE's thd format) by SDPA: [T, h, d] -> [T, h, d].
 
     Each segment's tokens are gathered into a row of ``max_len`` (the longest segment), SDPA
     runs over [segments, h, max_len, d] with the row's tail masked, and each token takes its
     row back: fixed shapes, segments x max_len^2 work instead of the T^2 of a block-diagonal
-    mask (20x less for the tiny CPU config's packs of 2,048 tokens in runs of <= 65)."""
+    mask (20x less for the tiny CPU config's packs of 2,048 tokens in runs of <= 65).
+
+    ``rows``: only the first this many segments are computed, the tokens of later ones get
+    zeros. A pack's images are its first segments (vitgraph.data.packing.layout), so with
+    rows = max_images only its padding runs are skipped: their outputs are never read (a
+    third of the segments, and of the attention time, in that CPU config)."""
     T = q.shape[0]
+    if rows is not None:
+        cu_seqlens = cu_seqlens[:rows + 1]
     starts = cu_seqlens[:-1].long()
     lens = cu_seqlens[1:].long() - starts
     j = torch.arange(max_len, device=q.device)
@@ -58,9 +65,12 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # an empty segment's row attends to its (unused) tail rather than to nothing (0 / 0)
     keep = (valid | ~valid.any(-1, keepdim=True))[:, None, None, :]
     out = F.scaled_dot_product_attention(*rows, attn_mask=keep, dropout_p=dropout, scale=scale)
-    seg = segment_ids(cu_seqlens, T)
-    pos = torch.arange(T, device=q.device) - starts[seg]
-    return out.permute(0, 2, 1, 3)[seg, pos]  # [T, h, d]
+    seg = segment_ids(cu_seqlens, T)  # len(starts) for tokens after the last row
+    inside = seg < len(starts)
+    seg = seg.clamp(max=len(starts) - 1)
+    pos = (torch.arange(T, device=q.device) - starts[seg]).clamp_(0, max_len - 1)
+    out = out.permute(0, 2, 1, 3)[seg, pos]  # [T, h, d]
+    return out if rows is None else out * inside[:, None, None]
 
 
 def block_diagonal(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -211,7 +211,8 @@ class SDPAttention(MegatronModule):
             if p.cu_seqlens_kv is not p.cu_seqlens_q:  # no host read to compare them
                 raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
             out = segment_attention(query, key, value, p.cu_seqlens_q, int(p.max_seqlen_q),
-                                    self.dropout if self.training else 0.0, self.softmax_scale)
+                                    self.dropout if self.training else 0.0, self.softmax_scale,
+                                    rows=getattr(p, "image_segments", None))
             return out.reshape(out.shape[0], -1)
         if thd:  # [t, h, d]: one sequence of segments
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))

@@ -278,6 +278,10 @@ class ViT(MegatronModule):
             mask, params = None, PackedSeqParams(
                 qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                 max_seqlen_q=L, max_seqlen_kv=L)
+            # the torch spec's segment attention computes the image segments only (the first
+            # M; the padding runs after them are never read). Layer graphs rebuild the
+            # dataclass from its fields and drop this: then every segment is computed
+            params.image_segments = M
         hidden = self.decoder(hidden_states=hidden, attention_mask=mask,
                               packed_seq_params=params)
         if not self.post_process:
