@@ -32,6 +32,7 @@ KINDS = {
     "siglip": (False, 0, "map", "gelu_tanh", "bilinear"),  # naflexvit_*_siglip's layout
     "cls": (True, 2, "cls", "gelu", "bicubic"),
     "mean": (True, 1, "mean", "gelu", "bilinear"),
+    "map": (True, 1, "map", "gelu", "bicubic"),  # a classifier on attention pooling
 }
 
 
@@ -68,9 +69,10 @@ def our_model(d, kind, num_classes=0, seed=1):
     spec = PackSpec(tokens=128, max_images=5, max_patches=24, num_prefix=int(cls) + regs,
                     patch_size=P)
     torch.manual_seed(seed)
-    head = "map" if pool == "map" else "classifier"
+    tower = kind == "siglip"  # an image tower: attention pooling, no head
     m = ViT(config, get_layer_spec("torch"), arch(), num_classes, num_registers=regs,
-            class_token=cls, pool="mean" if pool == "map" else pool, head=head,
+            class_token=cls, pool="mean" if tower else pool,
+            head="map" if tower else "classifier",
             patch_bias=True, pack=spec, pos_interp=interp)
     with torch.no_grad():
         for p in m.parameters():
@@ -212,6 +214,7 @@ def test_naflex_config_rebuilds_the_same_timm_model():
 
 @pytest.mark.parametrize("name,over", [("vit_pico_patch4_32", {"num_registers": 2}),
                                        ("vit_pico_patch4_32", {"class_token": False}),
+                                       ("vit_pico_patch4_32", {"pool": "map"}),
                                        ("siglip_tiny_patch4_32", {})])
 def test_a_run_s_naflex_config_builds_the_model_its_export_fills(name, over):
     """What `vitgraph export --format timm` of a native run writes beside its weights."""
@@ -237,8 +240,9 @@ def test_a_run_s_naflex_config_builds_the_model_its_export_fills(name, over):
         return
     assert side["label_names"][0] == "c0" and side["num_classes"] == 7
     want = expected_names(arch, int(cfg.class_token) + cfg.num_registers, cfg.class_token,
-                          cfg.num_registers)
+                          cfg.num_registers, cfg.pool)
     assert set(ours) == want
     prefix = int(cfg.class_token) + cfg.num_registers
     assert ours["pos_embed"].shape == (1, prefix + arch.num_patches(), arch.hidden_size)
-    assert side["model_args"]["global_pool"] == ("token" if cfg.class_token else "avg")
+    pool = {"cls": "token", "map": "map"}.get(cfg.pool) if cfg.class_token else "avg"
+    assert side["model_args"]["global_pool"] == pool

@@ -136,7 +136,7 @@ def timm_naflex_config_for(model_cfg, num_classes: int, classes: list[str] | Non
                                   pool=pair.vision_pool, activation=pair.activation,
                                   pos_interp=interp, num_classes=0, classes=None,
                                   ln_pre=pair.ln_pre)
-    pool = "cls" if model_cfg.pool == "cls" and model_cfg.class_token else "mean"
+    pool = model_cfg.pool if model_cfg.pool != "cls" or model_cfg.class_token else "mean"
     return timm_naflex_config(resolve_arch(model_cfg), class_token=model_cfg.class_token,
                               num_registers=model_cfg.num_registers, pool=pool,
                               activation="gelu", pos_interp=interp, num_classes=num_classes,

@@ -93,10 +93,16 @@ def export_state_dict(model_chunks, dtype: torch.dtype | None = None) -> dict[st
     return out
 
 
-def expected_names(arch, num_prefix: int, class_token: bool, num_registers: int) -> set[str]:
-    """Every parameter name of the full model."""
+def expected_names(arch, num_prefix: int, class_token: bool, num_registers: int,
+                   pool: str = "cls") -> set[str]:
+    """Every parameter name of the full model (``pool`` map: attention pooling before the
+    head)."""
     names = {"patch_embed.weight", "patch_embed.bias", "pos_embed", "final_norm.weight",
              "final_norm.bias", "head.weight", "head.bias"}
+    if pool == "map":
+        names |= {"attn_pool.latent", *(f"attn_pool.{m}.{k}" for m in
+                                         ("q", "kv", "proj", "norm", "fc1", "fc2")
+                                         for k in ("weight", "bias"))}
     if class_token:
         names.add("cls_token")
     if num_registers:
@@ -168,7 +174,8 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
     if pair or (vit.pre_process and vit.post_process):
         known = set(names.values())  # the whole model is here
     else:  # a pipeline stage: unexpected means unknown to every stage
-        known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers)
+        known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers,
+                               vit.pool)
     unexpected = sorted(set(sd) - known)
     if unexpected:
         raise ConvertError(f"{source}: unexpected key {name_of(unexpected[0])!r}"
