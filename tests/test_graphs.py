@@ -611,7 +611,7 @@ def test_no_grad_and_eval_run_eagerly():
 
 
 def test_unsupported_argument_runs_eagerly():
-    class Params:  # like megatron's PackedSeqParams: an object that may hold tensors
+    class Params:  # an object that may hold tensors (PackedSeqParams is known: tree.DATACLASSES)
         pass
 
     class Takes(Toy):

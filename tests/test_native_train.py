@@ -117,3 +117,21 @@ def test_segment_attention_rows_leave_the_later_segments_out():
     cut = segment_attention(q, k, v, cu, 12, rows=3)
     torch.testing.assert_close(cut[:17], full[:17])
     assert cut[17:].abs().max() == 0
+
+
+def test_a_native_runs_timm_export_is_naflexvit(reference, tmp_path_factory, tmp_path):
+    """``vitgraph export --format timm`` of a native run writes timm's NaFlexVit: its
+    config.json builds the model and the weights load strictly."""
+    timm = pytest.importorskip("timm")
+    from safetensors.torch import load_file
+    run_dir = next(p for p in tmp_path_factory.getbasetemp().glob("native-one*")) / "run"
+    out = tmp_path / "model.safetensors"
+    r = subprocess.run([sys.executable, "-m", "vitgraph", "export", str(run_dir), "--format",
+                        "timm", "--out", str(out)], env=clean_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architecture"].startswith("naflexvit")
+    model = timm.create_model(cfg["architecture"], pretrained=False,
+                              num_classes=cfg["num_classes"], **cfg["model_args"])
+    model.load_state_dict(load_file(str(out)), strict=True)

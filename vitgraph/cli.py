@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "Face or open_clip parameter names (open_clip: CLIP image "
                                     "towers and pairs, not classifiers).")
     ex.add_argument("run_dir")
-    ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "hf", "open_clip"))
+    ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "timm_naflex", "hf", "open_clip"),
+                    help="timm of a data.resolution=native run writes timm's NaFlexVit names "
+                         "(timm_naflex)")
     ex.add_argument("--out", required=True, help="output .safetensors file; hf writes config.json "
                     "and preprocessor_config.json beside it, timm config.json (name it "
                     "model.safetensors for from_pretrained(DIR) / create_model('local-dir:DIR'))")
@@ -196,23 +198,27 @@ def _export(args) -> int:
             heads = (arch.num_heads, None)
         path = checkpoint_dir(run_dir, args.checkpoint)
         sd, step = read_checkpoint_weights(path)
-        out = from_vitgraph(sd, args.format, *heads)
+        from vitgraph.convert.naflex import export_format
+        fmt = export_format(args.format, (raw.get("data") or {}).get("resolution") == "native")
+        out = from_vitgraph(sd, fmt, *heads)
         n = int(sd["head.weight"].shape[0]) if "head.weight" in sd else 0
         classes = export_files.read_classes(run_dir, n or None)  # a pair has no head
-        meta = {"format": "pt", "vitgraph_format": args.format, "step": step,
+        meta = {"format": "pt", "vitgraph_format": fmt, "step": step,
                 "checkpoint": str(path), "model": model_cfg.name,
                 "preprocessing": export_files.preprocessing(arch.image_size)}
         if classes:
             meta["classes"] = classes
         written = save_safetensors(out, args.out, meta)
         sidecars = {}
-        if args.format == "hf":
+        if fmt == "hf":
             sidecars = {"config.json": export_files.hf_config(arch, model_cfg, n, classes),
                         "preprocessor_config.json":
                             export_files.hf_preprocessor_config(arch.image_size)}
-        elif args.format == "timm":
+        elif fmt == "timm":
             sidecars = {"config.json": export_files.timm_config(model_cfg.name, arch, model_cfg,
                                                                 n, classes)}
+        elif fmt == "timm_naflex":
+            sidecars = {"config.json": export_files.timm_naflex_config_for(model_cfg, n, classes)}
         for name, content in sidecars.items():
             side = written.parent / name
             side.write_text(json.dumps(content, indent=2) + "\n")

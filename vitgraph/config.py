@@ -66,7 +66,8 @@ class ModelConfig:
     # see vitgraph/convert). A head of another class count is re-initialised, position
     # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
     init_from: Optional[str] = None
-    init_format: str = key("auto", choices=("auto", "timm", "hf", "open_clip", "vitgraph"))
+    init_format: str = key("auto", choices=("auto", "timm", "timm_naflex", "hf", "open_clip",
+                                            "vitgraph"))
 
 
 @dataclass
