@@ -79,24 +79,66 @@ def block_diagonal(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return s[:, None] == s[None, :]
 
 
+_CUBIC_A = -0.75  # the cubic convolution kernel torch's bicubic grid_sample uses
+
+
+def _taps(coord: torch.Tensor, size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample positions ``coord`` (in grid cells, align_corners=False) of a 1-D grid of
+    ``size``: the tap indices [T, k] and weights [T, k] of F.grid_sample with border padding
+    (bilinear: the coordinate clipped, 2 taps; bicubic: 4 taps, each index clipped)."""
+    if mode == "bilinear":
+        x = coord.clamp(0, size - 1)
+        x0 = x.floor()
+        t = (x - x0)[:, None]
+        idx = torch.stack([x0, x0 + 1], 1)
+        w = torch.cat([1 - t, t], 1)
+    else:
+        x0 = coord.floor()
+        t = coord - x0
+        a = _CUBIC_A
+
+        def near(z):  # |z| <= 1
+            return ((a + 2) * z - (a + 3)) * z * z + 1
+
+        def far(z):  # 1 < |z| < 2
+            return ((a * z - 5 * a) * z + 8 * a) * z - 4 * a
+
+        idx = torch.stack([x0 - 1, x0, x0 + 1, x0 + 2], 1)
+        w = torch.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], 1)
+    return idx.clamp(0, size - 1).long(), w
+
+
+def interpolation_matrix(coords: torch.Tensor, G: int, mode: str, dtype) -> torch.Tensor:
+    """[T, G * G]: row t holds the weights of the learned G x G grid's cells in token t's
+    position (see ``resample_positions``), so the positions are one GEMM with the grid and
+    their gradient another: a gather's backward would add T x 16 rows into G^2 cells by
+    atomics (and grid_sample's does), which contend on a GPU and are not deterministic."""
+    if mode not in POS_INTERP:
+        raise ValueError(f"pos_interp {mode!r}: {' | '.join(POS_INTERP)}")
+    rc = coords[:, :2].clamp(min=0).to(dtype)
+    size = coords[:, 2:].clamp(min=1).to(dtype)
+    src = (rc + 0.5) * G / size - 0.5  # the cell centre in the learned grid's cells
+    axes = []
+    for a in (0, 1):  # rows, columns: [T, G] weights each, the taps summed per cell
+        idx, w = _taps(src[:, a], G, mode)
+        axes.append((F.one_hot(idx, G).to(dtype) * w[..., None]).sum(1))
+    wy, wx = axes
+    return (wy[:, :, None] * wx[:, None, :]).reshape(coords.shape[0], G * G)
+
+
 def resample_positions(grid: torch.Tensor, coords: torch.Tensor, mode: str) -> torch.Tensor:
     """The learned position grid ``grid`` [G, G, d] at each token's patch: [T, d] (fp32 at
     least).
 
     Token (row, col) of a (gh, gw) grid samples the grid at the centre of its cell,
     ((col + 0.5) / gw, (row + 0.5) / gh) in [0, 1]^2 (align_corners=False, border padding):
-    at gh = gw = G exactly the grid, otherwise the same numbers as F.interpolate of the grid
-    to (gh, gw) with this mode. Prefix and padding tokens get a value to be overwritten."""
-    if mode not in POS_INTERP:
-        raise ValueError(f"pos_interp {mode!r}: {' | '.join(POS_INTERP)}")
+    at gh = gw = G exactly the grid, otherwise the same numbers as F.grid_sample (and as
+    F.interpolate of the grid to (gh, gw)) with this mode, computed as one GEMM
+    (``interpolation_matrix``). Prefix and padding tokens get a value to be overwritten."""
     dtype = torch.promote_types(grid.dtype, torch.float32)
-    rc = coords[:, :2].clamp(min=0).to(dtype)
-    size = coords[:, 2:].clamp(min=1).to(dtype)
-    xy = ((2 * rc + 1) / size - 1).flip(-1)  # grid_sample wants (x, y) = (col, row)
-    src = grid.to(dtype).permute(2, 0, 1).unsqueeze(0)  # [1, d, G, G]
-    out = F.grid_sample(src, xy.view(1, 1, -1, 2), mode=mode, padding_mode="border",
-                        align_corners=False)
-    return out[0, :, 0].t()
+    G = grid.shape[0]
+    weights = interpolation_matrix(coords, G, mode, dtype)
+    return weights @ grid.to(dtype).reshape(G * G, -1)
 
 
 def embed_tokens(x: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
@@ -109,8 +151,12 @@ def embed_tokens(x: torch.Tensor, coords: torch.Tensor, weight: torch.Tensor,
     out = out + resample_positions(pos_grid, coords, mode).to(out.dtype)
     if prefix is None:
         return out
-    k = (-1 - coords[:, 0]).clamp(0, prefix.shape[0] - 1)
-    return torch.where((coords[:, 0] < 0)[:, None], prefix.to(out.dtype)[k], out)
+    # the prefix rows by a one-hot GEMM: an index's backward would add all T rows into
+    # prefix[0] by atomics (16,384 x 768 of them a ViT-B pack)
+    is_prefix = coords[:, 0] < 0
+    onehot = (-1 - coords[:, 0])[:, None] == torch.arange(prefix.shape[0], device=x.device)
+    rows = (onehot & is_prefix[:, None]).to(out.dtype) @ prefix.to(out.dtype)
+    return torch.where(is_prefix[:, None], rows, out)
 
 
 def slot_valid(seg: torch.Tensor, max_images: int) -> torch.Tensor:
