@@ -60,7 +60,8 @@ def test_nvjpeg_packs_through_the_prefetcher_match_the_cpu_path(tmp_path):
                     seg = w[2]
                     diff = (g[0].cpu().float() - w[0].float()).abs().mean(1)
                     # per image: nvJPEG's IDCT and upsampling against libjpeg's at PIL's draft
-                    # scale, fp16 resize weights (6.5 on an H200 for a small crop); a wrong, shifted or grey image is off by tens
+                    # scale, fp16 resize weights (6.5 on an H200 for a small crop); a wrong,
+                    # shifted or grey image is off by tens
                     for k in range(int((w[4] >= 0).sum())):
                         assert diff[seg == k].mean() < 10, (k, diff[seg == k].mean())
             assert pre.state_dict() == plain.state_dict()
