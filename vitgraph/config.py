@@ -48,6 +48,16 @@ class ModelConfig:
     pos_interp: str = key("auto", choices=("auto", "bicubic", "bilinear"))
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # stochastic depth (DeiT): each sample skips a layer's attention and MLP branches with a
+    # probability rising linearly over the global layer index, from 0 at the first layer to
+    # this at the last; survivors are scaled by 1 / (1 - p)
+    drop_path_rate: float = key(0.0, min=0, below=1)
+    # parameters left out of training: fnmatch patterns over the model's parameter names
+    # (`vitgraph params CONFIG` lists them), e.g. ["embed.*", "decoder.layers.0.*"]. Frozen
+    # parameters get no gradient, no gradient buffer and no optimizer state
+    freeze: Optional[list] = key(
+        None, check=lambda v, _: all(isinstance(x, str) and x for x in v),
+        why="a list of parameter-name patterns (strings)")
     layernorm_epsilon: float = 1e-6
     # std of the normal init of the linears (megatron's init_method_std); output layers get
     # std / sqrt(2 * num_layers). 0.02 suits widths of hundreds; narrow models learn faster
@@ -159,6 +169,40 @@ class OptimConfig:
     clip_grad: float = 1.0  # 0 disables clipping
     warmup_steps: Optional[int] = key(None, min=0)  # None: warmup_fraction of the run
     warmup_fraction: float = key(0.05, min=0, below=1)
+    # layer-wise LR decay (BEiT): the head at lr, encoder layer i (1..L) at
+    # lr x layer_decay^(L + 1 - i), the embeddings (patches, tokens, positions) at
+    # lr x layer_decay^(L + 1); null: one lr for all
+    layer_decay: Optional[float] = key(None, above=0, max=1)
+
+
+@dataclass
+class EMAConfig:
+    """train.ema: an exponential moving average of the weights, kept in fp32."""
+    # null: no EMA; else each step ema = decay x ema + (1 - decay) x weights
+    decay: Optional[float] = key(None, above=0, below=1)
+    # the decay of step n is min(decay, (1 + n) / (10 + n)), so the early average is not
+    # dominated by the random initialisation (false: decay from the first step)
+    warmup: bool = True
+    # evaluate the EMA weights (the raw weights' metrics are logged beside them)
+    eval: bool = key(False, resume_ok=True)
+
+
+@dataclass
+class DistillConfig:
+    """train.distill: knowledge distillation from a teacher that runs forward only."""
+    # null: no distillation. A vitgraph run directory (its newest checkpoint and config), a
+    # weights file (.safetensors / .pth / .bin in any naming vitgraph.convert reads; the
+    # architecture is train.distill.model), or "timm:<name>" (a timm model, random init:
+    # for tests)
+    teacher: Optional[str] = None
+    # a weights-file teacher's architecture: a registry name (`vitgraph models`)
+    model: Optional[str] = None
+    # soft: KL between the temperature-softened distributions (x T^2, as Hinton et al.);
+    # hard: cross-entropy against the teacher's top class (DeiT's hard distillation)
+    kind: str = key("soft", choices=("soft", "hard"))
+    # loss = (1 - weight) x the task's loss + weight x the distillation loss
+    weight: float = key(0.5, min=0, max=1)
+    temperature: float = key(1.0, above=0)
 
 
 @dataclass
@@ -187,6 +231,8 @@ class TrainConfig:
     # a step with a non-finite loss or gradient norm is skipped (weights and optimizer state
     # untouched); this many in a row stop the run with an error
     max_bad_steps: int = key(10, min=1, resume_ok=True)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -247,6 +293,9 @@ class TaskConfig:
     tokenizer: str = key("auto", choices=("auto", "byte", "bpe"))
     # contrastive: zero-shot prompts, "{}" the class name; each class's text embedding is the
     # mean over them (null: OpenAI CLIP's style, vitgraph.tasks.contrastive_metrics.TEMPLATES)
+    # contrastive: LiT, the image tower frozen (its parameters get no gradient and no
+    # optimizer state); the text tower trains against it. Usually with model.init_from
+    lock_image: bool = False
     templates: Optional[list] = key(
         None, check=lambda v, _: bool(v) and all(isinstance(x, str) and "{}" in x for x in v),
         why='a non-empty list of prompts, each with "{}" for the class name')
