@@ -697,8 +697,8 @@ def build_native_datasets(data_cfg, seed: int) -> tuple[NativeDataset, NativeDat
     at their images' own sizes (decoded per step: data.preload does not apply)."""
     kind = data_cfg.kind
     if kind == "shapes":
-        from vitgraph.data.shapes import build_shapes_native
-        return build_shapes_native(data_cfg, seed)
+        from vitgraph.data.shapes import build_shapes
+        return build_shapes(data_cfg, seed, native=True)
     if kind == "imagefolder":
         from vitgraph.data.imagefolder import build_imagefolder_native
         return build_imagefolder_native(data_cfg, seed)

@@ -461,18 +461,15 @@ def _cache_path(cache_dir, params):
     return os.path.join(cache_dir, f"shapes_v{VERSION}_{params['split']}_{key}.npz")
 
 
-def load_or_generate(split: str, num: int, seed: int, num_classes: int, render_size: int,
-                     workers: int, cache_dir: str | None, cache_max_mb: float = 1024):
-    """Like ``generate`` for one split of data seed ``seed``, through the .npz cache (kept
-    under ``cache_max_mb`` by least-recently-used eviction)."""
-    params = {"version": VERSION, "split": split, "num": num, "seed": int(seed),
-              "num_classes": num_classes, "render_size": render_size, "chunk": CHUNK,
-              "supersample": SUPERSAMPLE, "drawing": _drawing_params()}
+def _through_cache(cache_dir: str | None, params: dict, names: tuple, make, cache_max_mb: float):
+    """The arrays ``names`` (the last: the captions, a list) from the .npz cache entry of
+    ``params``, or ``make()``'s, written there (kept under ``cache_max_mb`` by
+    least-recently-used eviction)."""
     path = _cache_path(cache_dir, params) if cache_dir else None
     if path and os.path.exists(path):
         try:
             with np.load(path, allow_pickle=False) as z:
-                out = z["images"], z["labels"], z["captions"].tolist()
+                out = *(z[n] for n in names[:-1]), z[names[-1]].tolist()
             # last use, in the access time (the modification time stays the write's), for the
             # size cap's least-recently-used eviction
             import time
@@ -480,21 +477,37 @@ def load_or_generate(split: str, num: int, seed: int, num_classes: int, render_s
             return out
         except Exception:  # truncated or foreign file: regenerate and overwrite it
             pass
-    images, labels, captions = generate(num, split_seed(seed, split), num_classes,
-                                        render_size, workers)
+    out = make()
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".shapes_", suffix=".npz.tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, images=images, labels=labels, captions=np.array(captions, dtype=str))
+                np.savez(fh, **dict(zip(names[:-1], out[:-1])),
+                         **{names[-1]: np.array(out[-1], dtype=str)})
             os.replace(tmp, path)  # atomic: concurrent ranks never see a half-written file
         except BaseException:
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
         prune_cache(cache_dir, cache_max_mb * 2**20, keep=path)
-    return images, labels, captions
+    return out
+
+
+def _cache_params(split: str, num: int, seed: int, num_classes: int, render_size: int) -> dict:
+    return {"version": VERSION, "split": split, "num": num, "seed": int(seed),
+            "num_classes": num_classes, "render_size": render_size, "chunk": CHUNK,
+            "supersample": SUPERSAMPLE, "drawing": _drawing_params()}
+
+
+def load_or_generate(split: str, num: int, seed: int, num_classes: int, render_size: int,
+                     workers: int, cache_dir: str | None, cache_max_mb: float = 1024):
+    """Like ``generate`` for one split of data seed ``seed``, through the .npz cache."""
+    return _through_cache(
+        cache_dir, _cache_params(split, num, seed, num_classes, render_size),
+        ("images", "labels", "captions"),
+        lambda: generate(num, split_seed(seed, split), num_classes, render_size, workers),
+        cache_max_mb)
 
 
 def cache_files(cache_dir: str) -> list[str]:
@@ -557,9 +570,23 @@ def caption_variants(caption: str) -> tuple[str, str, str, str]:
     return (caption, f"a {colour} {shape}", f"a {size} {shape}", f"a {shape}")
 
 
-def build_shapes(data_cfg, seed: int):
-    """(train, held-out) ImageDatasets of the shapes task: ``data_cfg.seed``'s data, or run
-    seed ``seed``'s when that is None."""
+def load_or_generate_native(split: str, num: int, seed: int, num_classes: int,
+                            render_size: int, workers: int, cache_dir: str | None,
+                            cache_max_mb: float = 1024):
+    """``generate_native`` for one split of data seed ``seed``, through the .npz cache (its
+    key holds the mode: a native split never serves a fixed one)."""
+    params = {**_cache_params(split, num, seed, num_classes, render_size), "resolution": "native",
+              "sizes": repr((NATIVE_SHORT, NATIVE_STRETCH, _CANVAS))}
+    return _through_cache(
+        cache_dir, params, ("pixels", "sizes", "labels", "captions"),
+        lambda: generate_native(num, split_seed(seed, split), num_classes, render_size, workers),
+        cache_max_mb)
+
+
+def build_shapes(data_cfg, seed: int, native: bool = False):
+    """(train, held-out) datasets of the shapes task: ``data_cfg.seed``'s data, or run seed
+    ``seed``'s when that is None. ImageDatasets of render_size squares, or with ``native``
+    NativeDatasets (each image its own size and aspect ratio, ``native_sizes``)."""
     import torch
 
     from vitgraph.data.dataset import DataError, ImageDataset
@@ -571,9 +598,10 @@ def build_shapes(data_cfg, seed: int):
     # train.seed share one cached dataset; null derives the data from the run seed
     data_seed = getattr(data_cfg, "seed", None)
     seed = seed if data_seed is None else data_seed
+    load = load_or_generate_native if native else load_or_generate
     out = []
     for split, num in (("train", data_cfg.num_train), ("val", data_cfg.num_val)):
-        images, labels, captions = load_or_generate(
+        *arrays, labels, captions = load(
             split, num, seed, data_cfg.num_classes, data_cfg.render_size,
             data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir),
             getattr(data_cfg, "cache_max_mb", 1024))
@@ -582,77 +610,14 @@ def build_shapes(data_cfg, seed: int):
         variants = None
         if split == "train" and getattr(data_cfg, "caption_dropout", 0.0) > 0:
             variants = [caption_variants(c) for c in captions]  # the task draws among them
-        out.append(ImageDataset(torch.from_numpy(np.ascontiguousarray(images)),
-                                torch.from_numpy(labels.astype(np.int64)),
-                                CLASSES[:data_cfg.num_classes], captions,
-                                caption_variants=variants))
-    return out[0], out[1]
-
-
-def load_or_generate_native(split: str, num: int, seed: int, num_classes: int,
-                            render_size: int, workers: int, cache_dir: str | None,
-                            cache_max_mb: float = 1024):
-    """``generate_native`` for one split of data seed ``seed``, through the .npz cache (its
-    key holds the mode: a native split never serves a fixed one)."""
-    params = {"version": VERSION, "split": split, "num": num, "seed": int(seed),
-              "num_classes": num_classes, "render_size": render_size, "chunk": CHUNK,
-              "supersample": SUPERSAMPLE, "drawing": _drawing_params(), "resolution": "native",
-              "sizes": repr((NATIVE_SHORT, NATIVE_STRETCH, _CANVAS))}
-    path = _cache_path(cache_dir, params) if cache_dir else None
-    if path and os.path.exists(path):
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                out = z["pixels"], z["sizes"], z["labels"], z["captions"].tolist()
-            import time
-            os.utime(path, (time.time(), os.stat(path).st_mtime))
-            return out
-        except Exception:  # truncated or foreign file: regenerate and overwrite it
-            pass
-    out = generate_native(num, split_seed(seed, split), num_classes, render_size, workers)
-    if path:
-        pixels, sizes, labels, captions = out
-        os.makedirs(cache_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".shapes_", suffix=".npz.tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, pixels=pixels, sizes=sizes, labels=labels,
-                         captions=np.array(captions, dtype=str))
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        prune_cache(cache_dir, cache_max_mb * 2**20, keep=path)
-    return out
-
-
-def build_shapes_native(data_cfg, seed: int):
-    """(train, held-out) NativeDatasets of the shapes task at native resolution (each image
-    its own size and aspect ratio, ``native_sizes``); seeds and captions as ``build_shapes``."""
-    import torch
-
-    from vitgraph.data.dataset import DataError
-    from vitgraph.data.native import ArrayImages, NativeDataset
-
-    if not 1 <= data_cfg.num_classes <= len(CLASSES):
-        raise DataError(f"data.num_classes={data_cfg.num_classes}: the shapes data has "
-                        f"{len(CLASSES)} classes ({', '.join(CLASSES)})")
-    data_seed = getattr(data_cfg, "seed", None)
-    seed = seed if data_seed is None else data_seed
-    out = []
-    for split, num in (("train", data_cfg.num_train), ("val", data_cfg.num_val)):
-        pixels, sizes, labels, captions = load_or_generate_native(
-            split, num, seed, data_cfg.num_classes, data_cfg.render_size,
-            data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir),
-            getattr(data_cfg, "cache_max_mb", 1024))
-        if getattr(data_cfg, "captions", "full") == "short":
-            captions = [short_caption(c) for c in captions]
-        variants = None
-        if split == "train" and getattr(data_cfg, "caption_dropout", 0.0) > 0:
-            variants = [caption_variants(c) for c in captions]
-        images = ArrayImages(torch.from_numpy(np.ascontiguousarray(pixels)), sizes,
-                             data_cfg.workers)
-        out.append(NativeDataset(images, torch.from_numpy(labels.astype(np.int64)),
-                                 CLASSES[:data_cfg.num_classes], captions,
-                                 caption_variants=variants))
+        labels = torch.from_numpy(labels.astype(np.int64))
+        pixels = torch.from_numpy(np.ascontiguousarray(arrays[0]))
+        if native:
+            from vitgraph.data.native import ArrayImages, NativeDataset
+            out.append(NativeDataset(ArrayImages(pixels, arrays[1], data_cfg.workers), labels,
+                                     CLASSES[:data_cfg.num_classes], captions,
+                                     caption_variants=variants))
+        else:
+            out.append(ImageDataset(pixels, labels, CLASSES[:data_cfg.num_classes], captions,
+                                    caption_variants=variants))
     return out[0], out[1]

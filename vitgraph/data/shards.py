@@ -143,13 +143,24 @@ class ShardImages:
 
 def read_shard_split(root: str, split: str, size: int, workers: int, decode: str,
                      classes: list[str] | None = None, cpu_share: float = 0.0) -> ImageDataset:
+    paths, entries, labels, captions, _, classes = _split_samples(root, split, classes)
+    images = ShardImages(paths, entries, size, workers, decode, cpu_share)
+    return ImageDataset(images, torch.tensor(labels, dtype=torch.int64), classes,  # type: ignore[arg-type]
+                        captions)
+
+
+def _split_samples(root: str, split: str, classes: list[str] | None):
+    """A split's shards as index.json lists them: (paths, entries (shard, offset, size),
+    labels, captions (None unless every sample has one), sizes (h, w) or None each, class
+    names: ``classes``, else the index's, else "0".."n-1")."""
     paths, per_shard, index_classes = read_index(root, split)
-    entries, labels, captions = [], [], []
+    entries, labels, captions, hws = [], [], [], []
     for s, samples in enumerate(per_shard):
         for smp in samples:
             entries.append((s, smp["offset"], smp["size"]))
             labels.append(int(smp.get("cls", -1)))
             captions.append(smp.get("txt"))
+            hws.append(smp.get("hw"))
     has_txt = all(c is not None for c in captions)
     if any(lb < 0 for lb in labels) and not has_txt:
         raise DataError(f"{root}: {split} samples need a .cls (class) or .txt (caption) member")
@@ -157,13 +168,11 @@ def read_shard_split(root: str, split: str, size: int, workers: int, decode: str
     if classes is None:
         n = max(labels) + 1 if labels else 0
         classes = [str(i) for i in range(max(n, 1))]
-    images = ShardImages(paths, entries, size, workers, decode, cpu_share)
-    return ImageDataset(images, torch.tensor(labels, dtype=torch.int64), list(classes),  # type: ignore[arg-type]
-                        captions if has_txt else None)
+    return paths, entries, labels, captions if has_txt else None, hws, list(classes)
 
 
-def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
-    """(train, val) from ``data_cfg.path``'s ``train-*.tar`` / ``val-*.tar`` shards."""
+def _shards_root(data_cfg) -> tuple[str, str]:
+    """data.path and the decode device of a webdataset run, checked."""
     root = data_cfg.path
     if not root or not os.path.isdir(root):
         raise DataError(f"data.kind=webdataset: data.path must name a folder of train-*.tar / "
@@ -171,6 +180,12 @@ def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
     decode = resolve_decode(getattr(data_cfg, "decode", "cpu"))
     if decode == "cuda" and not torch.cuda.is_available():
         raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
+    return root, decode
+
+
+def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
+    """(train, val) from ``data_cfg.path``'s ``train-*.tar`` / ``val-*.tar`` shards."""
+    root, decode = _shards_root(data_cfg)
     share = getattr(data_cfg, "cpu_decode_share", 0.0)
     train = read_shard_split(root, "train", data_cfg.render_size, data_cfg.workers, decode,
                              cpu_share=share)
@@ -239,21 +254,7 @@ def read_shard_split_native(root: str, split: str, workers: int, decode: str,
     the log)."""
     from vitgraph.data.native import NativeDataset, ShardMembers
 
-    paths, per_shard, index_classes = read_index(root, split)
-    entries, labels, captions, hws = [], [], [], []
-    for s, samples in enumerate(per_shard):
-        for smp in samples:
-            entries.append((s, smp["offset"], smp["size"]))
-            labels.append(int(smp.get("cls", -1)))
-            captions.append(smp.get("txt"))
-            hws.append(smp.get("hw"))
-    has_txt = all(c is not None for c in captions)
-    if any(lb < 0 for lb in labels) and not has_txt:
-        raise DataError(f"{root}: {split} samples need a .cls (class) or .txt (caption) member")
-    classes = classes or index_classes
-    if classes is None:
-        n = max(labels) + 1 if labels else 0
-        classes = [str(i) for i in range(max(n, 1))]
+    paths, entries, labels, captions, hws, classes = _split_samples(root, split, classes)
     sizes = member_sizes(paths, entries, hws, workers, _sizes_cache(cache_dir, paths, split))
     keep = np.nonzero((sizes > 0).all(1))[0].tolist()
     if len(keep) < len(entries):
@@ -265,19 +266,13 @@ def read_shard_split_native(root: str, split: str, workers: int, decode: str,
             len(entries) - len(keep), split, len(entries))
     images = ShardMembers(paths, [entries[i] for i in keep], sizes[keep], workers, decode)
     return NativeDataset(images, torch.tensor([labels[i] for i in keep], dtype=torch.int64),
-                         list(classes), [captions[i] for i in keep] if has_txt else None)
+                         classes, [captions[i] for i in keep] if captions else None)
 
 
 def build_webdataset_native(data_cfg, seed: int):
     """(train, val) ``NativeDataset``s from ``data_cfg.path``'s shards, each image at its own
     size (decoded in the loader's threads, or by nvJPEG with data.decode=cuda)."""
-    root = data_cfg.path
-    if not root or not os.path.isdir(root):
-        raise DataError(f"data.kind=webdataset: data.path must name a folder of train-*.tar / "
-                        f"val-*.tar shards, got {root!r}")
-    decode = resolve_decode(getattr(data_cfg, "decode", "cpu"))
-    if decode == "cuda" and not torch.cuda.is_available():
-        raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
+    root, decode = _shards_root(data_cfg)
     cache = getattr(data_cfg, "cache_dir", None)
     train = read_shard_split_native(root, "train", data_cfg.workers, decode, cache_dir=cache)
     val = read_shard_split_native(root, "val", data_cfg.workers, decode, train.classes,
