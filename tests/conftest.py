@@ -22,6 +22,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def write_photos(root: Path, n: int, sizes: list[tuple[int, int]]) -> None:
+    """An ImageFolder of ``n`` images a split in two classes: sawtooth-and-noise JPEGs of the
+    (w, h) ``sizes`` in turn, image 4 a PNG and image 7 a CMYK JPEG (both decoded by the
+    loader's threads, never nvJPEG)."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for i in range(n):
+            w, h = sizes[i % len(sizes)]
+            y, x = np.mgrid[0:h, 0:w]
+            img = np.stack([(x * (i + 1)) % 256, (y * 2) % 256, (x + y) % 256], -1)
+            img = (img + rng.integers(-10, 10, img.shape)).clip(0, 255).astype(np.uint8)
+            d = root / split / f"c{i % 2}"
+            d.mkdir(parents=True, exist_ok=True)
+            im = Image.fromarray(img)
+            if i == 4:
+                im.save(d / f"{i}.png")
+            elif i == 7:
+                im.convert("CMYK").save(d / f"{i}.jpg", quality=95)
+            else:
+                im.save(d / f"{i}.jpg", quality=95)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@ the main stream then sees exactly the loader's microbatches."""
 import pytest
 import torch
 
+from conftest import write_photos
 from vitgraph.data import ImageDataset, MicrobatchLoader
 from vitgraph.data.prefetch import Prefetcher
 
@@ -34,25 +35,8 @@ def test_an_imagefolder_decoded_by_nvjpeg_gives_the_cpu_decoders_pixels(tmp_path
     """data.decode=cuda on an ImageFolder: JPEGs (photo-sized, two sizes) by nvJPEG, a PNG
     and a CMYK JPEG by the loader's threads, resized on the device, through the prefetcher;
     the pixels are PIL's up to resampling and JPEG decoder rounding."""
-    import numpy as np
-    from PIL import Image
     from vitgraph.data.imagefolder import list_classes, read_split
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for i in range(12):
-            w, h = (500, 375) if i % 3 else (375, 500)
-            y, x = np.mgrid[0:h, 0:w]
-            img = np.stack([(x * (i + 1)) % 256, (y * 2) % 256, (x + y) % 256], -1)
-            img = (img + rng.integers(-10, 10, img.shape)).clip(0, 255).astype(np.uint8)
-            d = tmp_path / split / f"c{i % 2}"
-            d.mkdir(parents=True, exist_ok=True)
-            im = Image.fromarray(img)
-            if i == 4:
-                im.save(d / f"{i}.png")
-            elif i == 7:
-                im.convert("CMYK").save(d / f"{i}.jpg", quality=95)
-            else:
-                im.save(d / f"{i}.jpg", quality=95)
+    write_photos(tmp_path, 12, [(375, 500), (500, 375), (500, 375)])
     classes = list_classes(str(tmp_path / "train"))
     cpu = read_split(str(tmp_path), "train", classes, 224, workers=4, preload=True)
     gpu = read_split(str(tmp_path), "train", classes, 224, workers=4, preload=False,

@@ -1,11 +1,10 @@
 """GPU: native-resolution packs decoded by nvJPEG and resized and patchified on the device
 (through the prefetcher's side stream) give the CPU path's patches up to resampling and JPEG
 decoder rounding; the per-image augmentation on the device is the CPU's and repeats exactly."""
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from conftest import write_photos
 from vitgraph.data import pack_inputs
 from vitgraph.data.augment import AugmentConfig
 from vitgraph.data.imagefolder import list_classes, read_split_native
@@ -17,25 +16,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _photos(root, n=16):
-    """JPEGs of several sizes and aspect ratios (one large enough for PIL's draft scale), a PNG
-    and a CMYK JPEG (decoded in the loader's threads)."""
-    rng = np.random.default_rng(0)
-    sizes = [(500, 375), (375, 500), (640, 320), (1200, 900), (256, 512), (333, 333)]
-    for split in ("train", "val"):
-        for i in range(n):
-            w, h = sizes[i % len(sizes)]
-            y, x = np.mgrid[0:h, 0:w]
-            img = np.stack([(x * (i + 1)) % 256, (y * 2) % 256, (x + y) % 256], -1)
-            img = (img + rng.integers(-10, 10, img.shape)).clip(0, 255).astype(np.uint8)
-            d = root / split / f"c{i % 2}"
-            d.mkdir(parents=True, exist_ok=True)
-            im = Image.fromarray(img)
-            if i == 4:
-                im.save(d / f"{i}.png")
-            elif i == 7:
-                im.convert("CMYK").save(d / f"{i}.jpg", quality=95)
-            else:
-                im.save(d / f"{i}.jpg", quality=95)
+    """JPEGs of several sizes and aspect ratios (one large enough for PIL's draft scale)."""
+    write_photos(root, n, [(500, 375), (375, 500), (640, 320), (1200, 900), (256, 512), (333, 333)])
 
 
 SPEC = PackSpec(tokens=2048, max_images=8, max_patches=256, num_prefix=1, patch_size=16)
