@@ -667,6 +667,33 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     if cfg.data.resolution == "native":
         _validate_native(cfg, arch, err)
 
+    dt = cfg.train.distill
+    if dt.teacher:  # the class count and the weights are checked when the teacher is built
+        if task_kind(cfg) != "classification":
+            err("train.distill.teacher", dt.teacher, "distillation is for task.kind="
+                "classification (this run is contrastive)")
+        if cfg.data.resolution == "native":
+            err("train.distill.teacher", dt.teacher, "not with data.resolution=native: the "
+                "teacher takes fixed-size images, not packs")
+        teacher = Path(dt.teacher).expanduser()
+        if dt.teacher.startswith("timm:"):
+            if not dt.teacher[5:]:
+                err("train.distill.teacher", dt.teacher, "'timm:<name>' needs a timm model name")
+        elif teacher.is_dir():
+            if not (teacher / "config.yaml").is_file():
+                err("train.distill.teacher", dt.teacher, "a directory without config.yaml "
+                    "(not a vitgraph run)")
+        elif not teacher.is_file():
+            err("train.distill.teacher", dt.teacher, "no such run directory or weights file "
+                "(or 'timm:<name>')")
+        elif not dt.model:
+            err("train.distill.model", dt.model, f"a weights-file teacher ({dt.teacher}) needs "
+                "its architecture: a registry name (`vitgraph models`)")
+    if dt.model and (not dt.teacher or dt.teacher.startswith("timm:")
+                     or Path(dt.teacher).expanduser().is_dir()):
+        err("train.distill.model", dt.model, "names the architecture of a weights-file "
+            "teacher only (train.distill.teacher)")
+
     d = cfg.data
     if d.kind == "imagefolder":
         if not d.path:

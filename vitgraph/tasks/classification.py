@@ -4,7 +4,12 @@ and mixed (mixup / cutmix) targets, held-out loss and top-1.
 At native resolution (plan.pack) a microbatch is one pack (vitgraph.data.packing): prepared
 as (x [T, 3 p^2] normalised and augmented, coords, seg, cu_seqlens, labels [M]) on the
 device, the model's output is one row per image slot, and the loss, top-1 and counts are
-over the slots holding an image (label -1: an empty slot)."""
+over the slots holding an image (label -1: an empty slot).
+
+With train.distill.teacher (vitgraph.tasks.distill) a training microbatch is prepared with
+the teacher's logits on the same (augmented, mixed) images as a fourth field, on the
+pipeline's last stage (which then prepares the images too): the loss mixes the task's and the
+distillation loss there. Evaluation (no key) has no teacher: the plain loss."""
 from __future__ import annotations
 
 import torch
@@ -27,6 +32,8 @@ class ClassificationTask(Task):
         self.augment = None
         self.pack = getattr(plan, "pack", None)
         self.flops_per_token = (0.0, 0.0)  # native: (per token, per token pair); see pack_flops
+        self.teacher = None
+        self._teacher_out = {}  # key -> the teacher's logits (this step's, vpp > 1)
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
@@ -34,6 +41,9 @@ class ClassificationTask(Task):
         if cfg.data.augment.enabled and self.pack is None:
             self.augment = BatchAugment(cfg.data.augment, self.image_size, self.num_classes,
                                         cfg.train.label_smoothing, cfg.train.seed, self.d.dp_rank)
+        if cfg.train.distill.teacher:
+            from vitgraph.tasks.distill import build_teacher
+            self.teacher = build_teacher(cfg, self.plan, self.d, self.num_classes)
 
     def build_model(self) -> list:
         chunks = build_model(self.plan, self.cfg.model, self.d, self.num_classes,
@@ -65,7 +75,16 @@ class ClassificationTask(Task):
                 f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this rank, "
                 f"{m.seq_len} tokens"
                 + (f" (padded to {padded}, masked)" if padded > m.seq_len else "")
-                + f", {self.flops_per_sample / 1e9:.2f} GFLOP/image (train)")
+                + f", {self.flops_per_sample / 1e9:.2f} GFLOP/image (train)"
+                + (self._distill_line() if self.cfg.train.distill.teacher else ""))
+
+    def _distill_line(self) -> str:
+        dt = self.cfg.train.distill
+        who = self.teacher.describe if self.teacher is not None else dt.teacher
+        where = ("" if self.teacher is None else
+                 ", forward graphs" if self.teacher.graphs is not None else ", eager")
+        return (f"; distilling ({dt.kind}, weight {dt.weight}, T {dt.temperature}) from "
+                f"{who}{where}")
 
     def seq_length(self, chunks: list, micro_batch: int) -> int:
         return chunks[0].padded_len(micro_batch)
@@ -74,10 +93,26 @@ class ClassificationTask(Task):
         if self.pack is not None:
             return prepare_pack(raw, key, device, first_stage, self.cfg, self.d)
         images, labels = raw[0], raw[1]
+        # the loss's stage distills: it makes the images too (the same augmentation: keyed)
+        distill = self.teacher is not None and key is not None and self.d.is_last_stage
         # Float16Module casts to bf16 on GPU; keep fp32 here. Targets may come back mixed (soft)
         x, targets = prepare_batch(self.augment, images, labels, key, self.image_size, device,
-                                   torch.float32, first_stage)
-        return x, targets, labels.to(device, non_blocking=True)
+                                   torch.float32, first_stage or distill)
+        out = (x if first_stage else None, targets, labels.to(device, non_blocking=True))
+        if not distill:
+            return out
+        return (*out, self._teacher_logits(x, key))
+
+    def _teacher_logits(self, x, key):
+        """The teacher's logits of microbatch ``key``: computed once per key on this rank
+        (with virtual pipeline stages each chunk's data iterator prepares every microbatch)."""
+        if self.d.vpp == 1:
+            return self.teacher(x)
+        if any(k[0] != key[0] for k in self._teacher_out):  # a new step: drop the last one's
+            self._teacher_out.clear()
+        if key not in self._teacher_out:
+            self._teacher_out[key] = self.teacher(x)
+        return self._teacher_out[key]
 
     def forward(self, model, inputs):
         if self.pack is not None:
@@ -87,7 +122,7 @@ class ClassificationTask(Task):
     def loss(self, inputs, output):
         if self.pack is not None:
             return self._pack_loss(inputs[-1], output)
-        _, targets, labels = inputs
+        _, targets, labels = inputs[:3]
         output = output.float()
         valid = labels >= 0  # -1: a sample that only fills an eval microbatch
         n = valid.sum()
@@ -95,8 +130,17 @@ class ClassificationTask(Task):
         smoothing = 0.0 if targets.is_floating_point() else self.cfg.train.label_smoothing
         loss = F.cross_entropy(output, targets, label_smoothing=smoothing, ignore_index=-1)
         correct = ((output.argmax(-1) == labels) & valid).sum()
+        if len(inputs) > 3:  # distillation: the teacher's logits of these images
+            loss = self.distill_mix(loss, output, inputs[3], valid)
         # the schedule divides `loss` in place by the number of microbatches: count a clone
         return loss, stats(loss.detach().clone() * n, correct, n)
+
+    def distill_mix(self, task_loss, output, teacher, valid):
+        """(1 - weight) x the task's loss + weight x the distillation loss."""
+        from vitgraph.tasks.distill import distill_loss
+        dt = self.cfg.train.distill
+        dl = distill_loss(dt.kind, output, teacher, dt.temperature, valid)
+        return (1 - dt.weight) * task_loss + dt.weight * dl
 
     def _pack_loss(self, labels, output):
         """Mean cross-entropy over a pack's images; an empty pack gives 0, not 0 / 0."""
