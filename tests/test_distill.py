@@ -169,6 +169,15 @@ def test_timm_teacher_matches_the_run_and_bad_names_are_config_errors():
     assert t.graphs is None and t.dtype == torch.float32  # CPU: eager, fp32
     out = t(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 10) and out.dtype == torch.float32
+    x = torch.randn(2, 3, 32, 32)
+    torch.manual_seed(0)
+    eager = build_teacher(cfg, plan, _fake_dist(), 10)
+    torch.manual_seed(0)  # the same random weights
+    graphed = build_teacher(cfg, plan, _fake_dist(), 10, graphs=True)  # the rerun backend here
+    assert graphed.graphs.backend.name == "rerun"
+    assert torch.allclose(graphed(x), eager(x), atol=1e-6)
+    assert torch.allclose(graphed(x), eager(x), atol=1e-6)
+    assert graphed.graphs.backend.replays == 1
     assert build_teacher(cfg, plan, _fake_dist(is_last_stage=False, pp=2, pp_rank=0), 10) is None
     cfg = load_config(TINY, ["train.distill.teacher=timm:no_such_model_xyz"])
     with pytest.raises(ConfigError, match="train.distill.teacher.*no_such_model_xyz"):
@@ -277,6 +286,44 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
         assert loss.item() == pytest.approx(0.6 * ce.item(), rel=1e-5)
         with pytest.raises(ConfigError, match=r"train\.distill\.teacher=.*10 classes, the run 7"):
             build_teacher(cfg, plan, d, 7)
+
+        # the same weights as a file in timm's naming, the architecture named by
+        # train.distill.model: format detected as for model.init_from, the same teacher
+        from vitgraph.convert import from_vitgraph, save_safetensors
+        path = save_safetensors(from_vitgraph(sd, "timm", 4), tmp_path / "teacher.safetensors")
+        fcfg = load_config(TINY, [f"train.distill.teacher={path}",
+                                  "train.distill.model=vit_pico_patch4_32"])
+        with torch.no_grad():
+            assert torch.allclose(build_teacher(fcfg, plan, d, 10)(x), t_out, atol=1e-5)
+        with pytest.raises(ConfigError, match=r"train\.distill\.teacher=.*no head of the run's 7"):
+            build_teacher(fcfg, plan, d, 7)
     finally:
         shutdown()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_pipeline_parallel_student_distils_as_one_process(tmp_path):
+    """pp=2: the last stage prepares the (augmented) images itself and runs the teacher there,
+    built whole (its layers for single-rank groups): the losses and gradient norms of one
+    process. (tp=2 goes through the same group swap; run by hand it logs the same numbers.)"""
+    import subprocess
+    import sys
+
+    from conftest import clean_env, free_port
+    _train(tmp_path / "teacher", 5)
+    args = [f"train.distill.teacher={tmp_path / 'teacher'}", "train.distill.kind=hard",
+            "data.augment.enabled=true", "model.spec=torch"]
+    _train(tmp_path / "one", 2, *args)
+
+    def records(run_dir):
+        lines = (Path(run_dir) / "log.jsonl").read_text().splitlines()
+        return [x for r in map(json.loads, lines) if "loss" in r for x in (r["loss"], r["grad_norm"])]
+
+    for layout in ("parallel.pp=2",):
+        run_dir = tmp_path / layout.replace("=", "")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "vitgraph", "train", str(TINY), *RUN,
+               "train.steps=2", f"run.dir={run_dir}", layout, *args]
+        r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert records(run_dir) == pytest.approx(records(tmp_path / "one"), rel=1e-5), layout

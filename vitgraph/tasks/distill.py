@@ -192,7 +192,7 @@ def _build(cfg, plan, d, num_classes: int):
         else:
             raise ConfigError(f"{KEY}={src!r}: no such run directory or weights file (or "
                               f"'timm:<name>')")
-        dtype = plan.dtype if d.cuda else torch.float32
+        dtype = torch.bfloat16 if d.cuda else torch.float32  # built so (bf16=d.cuda)
     return module, dtype, size, what
 
 
@@ -301,26 +301,27 @@ def single_rank_group():
 
 @contextlib.contextmanager
 def whole_model_groups(d):
-    """megatron-core builds layers for parallel_state's tensor / pipeline groups; a teacher is
-    whole on every rank: under tensor or pipeline parallelism its layers are built for
-    single-rank groups (megatron's ProcessGroupCollection, handed to the ViT's block)."""
+    """megatron-core builds layers for parallel_state's tensor / pipeline groups (vitgraph's
+    MLP, like megatron's, takes its group from there); a teacher is whole on every rank:
+    under tensor or pipeline parallelism its layers are built while those groups are this
+    rank alone. A layer keeps the group it was built with, so the swap lasts the build only."""
     if d.tp == 1 and d.pp == 1:
         yield
         return
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    one = single_rank_group()
-    original = ProcessGroupCollection.use_mpu_process_groups.__func__
-
-    def single(cls, required_pgs=None):
-        pgs = original(cls, required_pgs)
-        for name in ("tp", "pp", "mp", "cp", "tp_cp", "hcp", "embd", "pos_embd", "tp_ep",
-                     "tp_ep_pp", "expt_tp"):
-            if hasattr(pgs, name):
-                setattr(pgs, name, [one] if name == "hcp" else one)
-        return pgs
-
-    ProcessGroupCollection.use_mpu_process_groups = classmethod(single)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    one, rank = single_rank_group(), dist.get_rank()
+    swap = {"_TENSOR_MODEL_PARALLEL_GROUP": one, "_PIPELINE_MODEL_PARALLEL_GROUP": one,
+            "_MODEL_PARALLEL_GROUP": one, "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": one,
+            "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": [rank], "_PIPELINE_GLOBAL_RANKS": [rank],
+            "_MODEL_PARALLEL_GLOBAL_RANKS": [rank],
+            "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": 1, "_MPU_TENSOR_MODEL_PARALLEL_RANK": 0,
+            "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": 1, "_MPU_PIPELINE_MODEL_PARALLEL_RANK": 0}
+    saved = {k: getattr(ps, k) for k in swap}
+    for k, v in swap.items():
+        setattr(ps, k, v)
     try:
         yield
     finally:
-        ProcessGroupCollection.use_mpu_process_groups = classmethod(original)
+        for k, v in saved.items():
+            setattr(ps, k, v)
