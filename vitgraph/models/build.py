@@ -98,7 +98,8 @@ def build_model(plan, model_cfg, d, num_classes: int, seed: int,
     # (eval batches of other sizes are filled up instead: vitgraph.train.evaluate). A thd
     # pack needs none (megatron asks TE for its padding mask type itself)
     padding = plan.pads if pack is None else packed_attention == "padded"
-    layer_spec = get_layer_spec(plan.spec, padding_mask=padding, fused_norm=plan.fused_norm)
+    layer_spec = get_layer_spec(plan.spec, padding_mask=padding, fused_norm=plan.fused_norm,
+                                drop_path_rate=model_cfg.drop_path_rate)
     chunks = []
     for vp in range(d.vpp):
         first = d.is_first_stage and vp == 0

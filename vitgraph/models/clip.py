@@ -92,14 +92,15 @@ def tower_config(base: TransformerConfig, *, hidden_size: int, num_layers: int, 
 def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed: int = 0,
                tp_rank: int = 0, tp_size: int = 1, context_length: int | None = None,
                pad_to=None, init_logit_bias: float | None = None,
-               fused_norm: bool = False) -> CLIP:
+               fused_norm: bool = False, drop_path_rate: float = 0.0) -> CLIP:
     """One CLIP model (both towers on one pipeline stage), weights drawn layout-independently.
 
     ``spec``: ``te`` | ``torch`` (resolved); ``context_length``: the text positions (the
     registry's by default); ``pad_to``: the image tower's token padding (vitgraph.models.vit);
     ``fused_norm``: both towers' layers are ResidualNormLayer (vitgraph.models.specs);
     ``init_logit_bias``: give a model without one a logit bias (to train it with the SigLIP
-    loss)."""
+    loss); ``drop_path_rate``: the image tower's stochastic depth (model.drop_path_rate; the
+    text tower has none)."""
     name = arch if isinstance(arch, str) else None
     if isinstance(arch, str):
         arch = get_clip_arch(arch)
@@ -124,7 +125,8 @@ def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed
                         activation=arch.activation, eps=arch.layernorm_epsilon)
     mapped = arch.vision_pool == "map"
     visual = ViT(vcfg, get_layer_spec(spec, padding_mask=pad_to is not None,
-                                      fused_norm=fused_norm), v, 0,
+                                      fused_norm=fused_norm, drop_path_rate=drop_path_rate),
+                 v, 0,
                  class_token=arch.class_token, pool="mean" if mapped else arch.vision_pool,
                  pad_to=pad_to, ln_pre=arch.ln_pre, head="map" if mapped else "proj",
                  embed_dim=arch.embed_dim,

@@ -8,17 +8,26 @@ state dict moves between the two unchanged (TE adds only ``_extra_state`` entrie
 With ``fused_norm`` the layer is ``ResidualNormLayer``: each residual add runs inside the
 LayerNorm that reads it (vitgraph.models.fused_norm); the linears keep the norms' parameters
 under the same names and leave the normalising to the layer.
+
+Stochastic depth (``drop_path_rate``, DeiT): a layer of global number ``i`` of ``L`` drops
+each sample's attention and MLP branches with probability ``rate * (i - 1) / (L - 1)``
+(timm's ``linspace(0, rate, L)``), survivors scaled by ``1 / (1 - p)``; ``DropPathLayer``
+(megatron's layer whose bias-dropout-adds apply the mask) or ``ResidualNormLayer``. No
+parameters change.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -116,13 +125,110 @@ def _te_column_parallel_with_norm_params():
     return TENormColumnParallelLinear
 
 
+def drop_path_rates(rate: float, num_layers: int) -> list[float]:
+    """DeiT / timm's stochastic depth: layer i (0-based, global) of ``num_layers`` drops with
+    probability ``rate * i / (num_layers - 1)``; the first never does, the last ``rate``."""
+    if num_layers <= 1:
+        return [0.0] * num_layers
+    return [rate * i / (num_layers - 1) for i in range(num_layers)]
+
+
+def _mask_rng(config, device: torch.device):
+    """Where the drop-path draws come from: a stream that is the same on every tensor-parallel
+    rank, so that a sample is dropped or kept on all the ranks holding its tokens. That is
+    torch's default generator (seeded alike on the tp ranks: vitgraph.parallel.setup), except
+    on CUDA under sequence parallelism, where megatron's TransformerBlock has forked its
+    model-parallel stream (distinct per tp rank) into it: there megatron's tracker's
+    data-parallel stream, the same on the tp ranks and graph-safe as the tracker is. Under
+    CUDA graphs both are registered with each graph (vitgraph.graphs.backend)."""
+    if device.type != "cuda" or not config.sequence_parallel:
+        return contextlib.nullcontext()
+    return tensor_parallel.get_cuda_rng_tracker().fork(get_data_parallel_rng_tracker_name())
+
+
+class _DropPath:
+    """Stochastic depth for a TransformerLayer: ``drop_path`` is the layer's rate, by its
+    global ``layer_number`` (megatron adds the pipeline / virtual-stage offset)."""
+
+    def _init_drop_path(self, rate: float) -> None:
+        self.drop_path = (drop_path_rates(rate, self.config.num_layers)[self.layer_number - 1]
+                          if rate else 0.0)
+
+    def _draw_keep(self, hidden: torch.Tensor, packed_seq_params=None):
+        """None (eval, or a rate of 0), else the factors of the attention and the MLP branch,
+        ``keep[0]`` and ``keep[1]``: 0 or 1 / (1 - p) per sample, broadcasting over the
+        branch's output. A sample is a batch column of [s, b, h]; in a packed sequence
+        ([t, 1, h], ``thd``) an image: one draw per segment of ``cu_seqlens``, spread over
+        its tokens (under sequence parallelism this rank's t tokens start at rank x t)."""
+        if not (self.training and self.drop_path):
+            return None
+        survive = 1.0 - self.drop_path
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        kw = dict(device=hidden.device, dtype=hidden.dtype)
+        if thd:
+            cu = packed_seq_params.cu_seqlens_q
+            segments = cu.numel() - 1
+        with _mask_rng(self.config, hidden.device):
+            shape = (2, segments) if thd else (2, 1, hidden.shape[1], 1)
+            keep = torch.empty(shape, **kw).bernoulli_(survive)
+        keep.div_(survive)
+        if not thd:
+            return keep
+        t = hidden.shape[0]
+        start = get_pg_rank(self.tp_group) * t if self.config.sequence_parallel else 0
+        pos = torch.arange(start, start + t, device=cu.device, dtype=cu.dtype)
+        seg = torch.searchsorted(cu[1:].contiguous(), pos, right=True).clamp_(max=segments - 1)
+        return keep[:, seg].view(2, t, 1, 1)
+
+
+class DropPathLayer(_DropPath, TransformerLayer):
+    """megatron's TransformerLayer with stochastic depth (``drop_path_rate``: the rate of the
+    model's last layer; see ``drop_path_rates``). The masks are drawn once per forward, then
+    each bias-dropout-add computes ``residual + keep * dropout(x + bias)``; in eval mode, or
+    in a layer of rate 0 (the first), it is megatron's own."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
+                 pg_collection=None, vp_stage=None, drop_path_rate: float = 0.0):
+        super().__init__(config, submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        self._init_drop_path(drop_path_rate)
+        self._keep = None
+        if self.drop_path:
+            self.self_attn_bda = functools.partial(self._bda, 0)
+            self.mlp_bda = functools.partial(self._bda, 1)
+
+    def _bda(self, branch: int, training: bool, fused: bool):
+        plain = get_bias_dropout_add(training, fused)
+
+        def bias_dropout_drop_path_add(x_with_bias, residual, prob):
+            keep = self._keep
+            if keep is None:
+                return plain(x_with_bias, residual, prob)
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            x = F.dropout(x, p=prob, training=training)
+            return residual.to(x.dtype) + x * keep[branch]
+
+        return bias_dropout_drop_path_add
+
+    def forward(self, *args, **kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self._keep = self._draw_keep(hidden, kwargs.get("packed_seq_params"))
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._keep = None
+
+
 # the attention arguments megatron's TransformerBlock passes a layer that ResidualNormLayer
 # hands on (the rest are for cross attention and inference, which it does not do)
 _ATTENTION_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "attention_bias",
                      "packed_seq_params", "sequence_len_offset")
 
 
-class ResidualNormLayer(TransformerLayer):
+class ResidualNormLayer(_DropPath, TransformerLayer):
     """megatron's pre-norm TransformerLayer with every residual add inside the LayerNorm that
     reads it: ``s = residual + x (+ bias)`` and ``LN(s)`` as one kernel each way
     (vitgraph.models.fused_norm), which also sums the bias gradient of the projection before.
@@ -133,14 +239,16 @@ class ResidualNormLayer(TransformerLayer):
     has no cross-attention context), and the next layer's kernel adds both and sums fc2's
     bias gradient too. The last layer of a block (of a pipeline stage) returns the sum and
     ``None``, so what leaves a block is what megatron's layer returns. Hidden dropout, when
-    set, drops ``x + bias`` before the add, as megatron's bias-dropout-add.
+    set, drops ``x + bias`` before the add, as megatron's bias-dropout-add; stochastic depth
+    (``drop_path_rate``, as DropPathLayer) then scales it by the sample's keep factor.
     """
 
     def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
-                 pg_collection=None, vp_stage=None):
+                 pg_collection=None, vp_stage=None, drop_path_rate: float = 0.0):
         super().__init__(config, submodules, layer_number=layer_number,
                          hidden_dropout=hidden_dropout, pg_collection=pg_collection,
                          vp_stage=vp_stage)
+        self._init_drop_path(drop_path_rate)
         self.norms = (self.self_attention.linear_qkv, self.mlp.linear_fc1)
         for linear in self.norms:
             linear.normalize = False
@@ -149,14 +257,17 @@ class ResidualNormLayer(TransformerLayer):
                                         pp_rank=get_pg_rank(self.pg_collection.pp))
         self.closes_stream = layer_number == built
 
-    def _dropped(self, x: torch.Tensor, bias):
+    def _dropped(self, x: torch.Tensor, bias, keep=None):
         if self.hidden_dropout and self.training:
-            return F.dropout(x if bias is None else x + bias, self.hidden_dropout), None
+            x, bias = F.dropout(x if bias is None else x + bias, self.hidden_dropout), None
+        if keep is not None:
+            x, bias = (x if bias is None else x + bias) * keep, None
         return x, bias
 
     def forward(self, hidden_states, attention_mask=None, context=None, **kwargs):
         attn_norm, mlp_norm = self.norms
         eps = self.config.layernorm_epsilon
+        keep = self._draw_keep(hidden_states, kwargs.get("packed_seq_params"))
         if context is None:  # the block's first layer: the stream arrives summed
             residual = hidden_states
             normed = layer_norm(residual, attn_norm.layer_norm_weight, attn_norm.layer_norm_bias,
@@ -169,10 +280,10 @@ class ResidualNormLayer(TransformerLayer):
         out, bias = self.self_attention(
             normed, attention_mask=attention_mask,
             **{k: kwargs[k] for k in _ATTENTION_KWARGS if k in kwargs})
-        out, bias = self._dropped(out, bias)
+        out, bias = self._dropped(out, bias, None if keep is None else keep[0])
         residual, normed = add_layer_norm(out, residual, bias, mlp_norm.layer_norm_weight,
                                           mlp_norm.layer_norm_bias, eps)
-        out, bias = self._dropped(*self.mlp(normed))
+        out, bias = self._dropped(*self.mlp(normed), None if keep is None else keep[1])
         if self.closes_stream:
             return add(out, residual, bias), None
         # the bias as a tensor of this layer's making: a layer's CUDA graph outputs its own
@@ -324,11 +435,22 @@ MASKS = {(False, False): AttnMaskType.no_mask, (True, False): AttnMaskType.paddi
 
 
 def get_layer_spec(name: str, padding_mask: bool = False, causal: bool = False,
-                   fused_norm: bool = False) -> ModuleSpec:
+                   fused_norm: bool = False, drop_path_rate: float = 0.0) -> ModuleSpec:
     """The layer spec; ``padding_mask``: attention takes a key-padding mask (token padding,
     see vitgraph.models.vit); ``causal``: each token attends only to itself and earlier ones
     (a CLIP text tower); neither: no mask at all (a ViT). ``fused_norm``: ResidualNormLayer
-    (not for FP8, whose TE norms write FP8 for the GEMM after them)."""
+    (not for FP8, whose TE norms write FP8 for the GEMM after them). ``drop_path_rate``:
+    stochastic depth, the last layer's rate (0: the spec as without it)."""
+    spec = _base_layer_spec(name, padding_mask, causal, fused_norm)
+    if drop_path_rate:
+        if spec.module is TransformerLayer:
+            spec.module = DropPathLayer
+        spec.params = {**spec.params, "drop_path_rate": float(drop_path_rate)}
+    return spec
+
+
+def _base_layer_spec(name: str, padding_mask: bool, causal: bool,
+                     fused_norm: bool) -> ModuleSpec:
     mask = MASKS[(bool(padding_mask), bool(causal))]
     if name == "te":
         # megatron-core's TE ViT spec: no mask, layer norms fused into the linears; the
