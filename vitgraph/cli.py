@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
     ev.add_argument("--split", choices=("val", "train"), default="val",
                     help="the held-out split (default) or the training split, unaugmented")
+    ev.add_argument("--ema", action="store_true",
+                    help="the checkpoint's EMA of the weights (train.ema); writes "
+                         "eval-<step>-ema.json, metrics named eval_ema_*")
     ex = sub.add_parser("export", help="write a run's model weights as safetensors",
                         description="Write the model weights of RUN_DIR's newest (or a named) "
                                     "checkpoint as safetensors, with vitgraph, timm, Hugging "
@@ -46,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                     "and preprocessor_config.json beside it, timm config.json (name it "
                     "model.safetensors for from_pretrained(DIR) / create_model('local-dir:DIR'))")
     ex.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
+    ex.add_argument("--ema", action="store_true",
+                    help="the EMA of the weights (train.ema, fp32) instead of the weights")
     sub.add_parser("configs", help="list the bundled configs with their header lines")
     sub.add_parser("models", help="list the registered model names")
     ca = sub.add_parser("cache", help="show (or --clear) the generated-dataset cache")
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "eval":
             from vitgraph.train.evaluate import evaluate_checkpoint
-            result = evaluate_checkpoint(cfg, args.checkpoint, args.split)
+            result = evaluate_checkpoint(cfg, args.checkpoint, args.split, args.ema)
             if "path" in result:
                 print(result["path"])
         else:
@@ -197,13 +202,14 @@ def _export(args) -> int:
             arch = resolve_arch(model_cfg)
             heads = (arch.num_heads, None)
         path = checkpoint_dir(run_dir, args.checkpoint)
-        sd, step = read_checkpoint_weights(path)
+        sd, step = read_checkpoint_weights(path, ema=args.ema)
         from vitgraph.convert.naflex import export_format
         fmt = export_format(args.format, (raw.get("data") or {}).get("resolution") == "native")
         out = from_vitgraph(sd, fmt, *heads)
         n = int(sd["head.weight"].shape[0]) if "head.weight" in sd else 0
         classes = export_files.read_classes(run_dir, n or None)  # a pair has no head
         meta = {"format": "pt", "vitgraph_format": fmt, "step": step,
+                **({"weights": "ema"} if args.ema else {}),
                 "checkpoint": str(path), "model": model_cfg.name,
                 "preprocessing": export_files.preprocessing(arch.image_size)}
         if classes:

@@ -694,6 +694,10 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("train.distill.model", dt.model, "names the architecture of a weights-file "
             "teacher only (train.distill.teacher)")
 
+    if cfg.train.ema.eval and cfg.train.ema.decay is None:
+        err("train.ema.eval", True, "evaluates the EMA of the weights: set train.ema.decay "
+            "(e.g. 0.9998) too")
+
     d = cfg.data
     if d.kind == "imagefolder":
         if not d.path:

@@ -21,32 +21,46 @@ from vitgraph.convert.names import ConvertError
 _STACKED = re.compile(r"^(.*?decoder\.layers\.)(?!\d+\.)(.+)$")
 
 
-def read_checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
+def read_checkpoint_weights(path: str | Path, ema: bool = False
+                            ) -> tuple[dict[str, torch.Tensor], int]:
     """(full state dict with global layer numbers, step) of one checkpoint's step directory
-    (vitgraph.train.checkpoint.checkpoint_dir finds it in a run)."""
+    (vitgraph.train.checkpoint.checkpoint_dir finds it in a run). ``ema``: the EMA of the
+    weights (train.ema) instead of the weights; ConvertError naming the checkpoint when it
+    holds none."""
     path = Path(path)
-    sd, step = read_dist_weights(path / "dist")
+    sd, step = read_dist_weights(path / "dist", ema)
+    if not sd and ema:
+        raise ConvertError(f"{path}: checkpoint of step {step} holds no EMA of the weights "
+                           f"(the run trained without train.ema.decay); leave out --ema")
     if not sd:
         raise ConvertError(f"{path / 'dist'}: holds no model tensors")
     return sd, step
 
 
-def read_dist_weights(dist_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
-    """The model tensors of one dist_checkpointing folder as a full state dict, and its step."""
+def read_dist_weights(dist_dir: Path, ema: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+    """The model tensors of one dist_checkpointing folder as a full state dict, and its step.
+    ``ema``: the tensors saved as ``ema.<name>`` (train.ema), named ``<name>``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     if not (dist_dir / ".metadata").is_file():
         raise ConvertError(f"{dist_dir}: not a megatron dist_checkpointing folder")
     reader = dcp.FileSystemReader(str(dist_dir))
     meta = reader.read_metadata().state_dict_metadata
-    stacked = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-               if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.")}
+    # the model's tensors have no prefix; the optimizer state's is "optimizer.", the EMA's "ema."
+    model = [k for k, m in meta.items() if isinstance(m, TensorStorageMetadata)
+             and not k.startswith(("optimizer.", "ema."))]
+    if ema:  # the EMA where there is one: tensors without (frozen ones, buffers) are as trained
+        model = [f"ema.{k}" if f"ema.{k}" in meta else k for k in model]
+        if not any(k.startswith("ema.") for k in model):
+            model = []
+    stacked = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in model}
     if stacked:
         with warnings.catch_warnings():  # "assuming ... a single process": as asked (no_dist)
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(stacked, storage_reader=reader, no_dist=True)
     out = {}
     for name, t in stacked.items():
+        name = name[len("ema."):] if name.startswith("ema.") else name
         m = _STACKED.match(name)
         if m:  # [layers, ...] -> one entry per global layer
             prefix, rest = m.groups()

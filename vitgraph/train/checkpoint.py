@@ -7,7 +7,9 @@ Layout under ``<run_dir>/checkpoints``::
                                     optimizer state as sharded tensors keyed by their global
                                     (tp=1, pp=1) names, plus the common state (step, LR
                                     schedule, data position) -- loadable at any tp/pp/vpp/dp
-                                    layout, with or without the distributed optimizer
+                                    layout, with or without the distributed optimizer; with
+                                    train.ema also the EMA of the weights (``ema.<name>``, fp32)
+                                    and its step count (common ``ema.steps``)
     step_000200/model.safetensors   the model weights alone, full (tp=1) tensors with global
                                     names: ``safetensors`` / ``torch.load(weights_only=True)``
                                     readers, ``vitgraph export``
@@ -420,12 +422,47 @@ def load(path: Path, d: Dist, sharded_template: dict) -> dict:
     return read_payload(path, d, sharded_template)
 
 
-def load_model(path: Path, chunks: list) -> int:
+def holds_ema(path: Path) -> bool:
+    """Whether a step directory holds an EMA of the weights (train.ema)."""
+    common = _load(path / "dist" / "common.pt", "cpu")
+    return isinstance(common, dict) and "ema" in common
+
+
+def load_model(path: Path, chunks: list, ema: bool = False) -> int:
     """Only the model weights of a checkpoint into ``chunks`` (this rank's, any layout);
-    returns the checkpoint's step."""
+    returns the checkpoint's step. ``ema``: the EMA of the weights where the checkpoint
+    holds one (parameters without one, frozen, keep their weights); ConvertError naming the
+    checkpoint when it holds none."""
     from megatron.core import dist_checkpointing
     template = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
     state = dist_checkpointing.load(template, str(path / "dist"))
     for i, c in enumerate(chunks):
         c.load_state_dict(state[f"model{i}"])
+    if ema:
+        _load_ema_weights(path, chunks)
     return int(state.get("step", 0))
+
+
+def _load_ema_weights(path: Path, chunks: list) -> None:
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    if not holds_ema(path):
+        raise ConvertError(f"{path}: this checkpoint holds no EMA of the weights (the run "
+                           f"trained without train.ema.decay); leave out --ema")
+    keys = dcp.FileSystemReader(str(path / "dist")).read_metadata().state_dict_metadata
+    params, template = [], {}
+    for c in chunks:
+        for sh in nested_values(c.sharded_state_dict()):
+            if (isinstance(sh, ShardedTensor) and isinstance(sh.data, torch.nn.Parameter)
+                    and f"ema.{sh.key}" in keys):
+                params.append(sh.data)
+                template[str(len(template))] = make_sharded_optimizer_tensor(
+                    sh, torch.empty(sh.data.shape, dtype=torch.float32, device=sh.data.device),
+                    "ema")
+    state = dist_checkpointing.load({"ema": {"weights": template}}, str(path / "dist"))
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.copy_(state["ema"]["weights"][str(i)])

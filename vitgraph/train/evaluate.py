@@ -11,7 +11,9 @@ in the run directory, and nothing else there is written:
   well, ``eval-<step>-<kind>-<folder>-<hash>[-train].json``, so an eval of one data set never
   replaces the eval of another (as timm's validate writes one result per data set).
 
-Every file says which data it scored: ``data`` = {kind, path, split, images}.
+Every file says which data it scored: ``data`` = {kind, path, split, images}. ``--ema``
+scores the checkpoint's EMA of the weights (train.ema): ``eval-<step>-ema...json``, its
+metrics named as training logs them, ``eval_ema_top1`` beside the raw ``eval_top1``.
 """
 from __future__ import annotations
 
@@ -120,9 +122,17 @@ class Evaluator:
         return metrics
 
 
-def eval_file_name(step: int, split: str, data: dict, own: bool) -> str:
-    """``eval-<step>[-train].json`` for the run's own data, else named after ``data`` too."""
-    suffix = "" if split == "val" else f"-{split}"
+def ema_metrics(evals: dict) -> dict:
+    """An evaluation of the EMA weights, named as logged beside the raw weights' metrics:
+    ``eval_top1`` -> ``eval_ema_top1`` (the image count is the same, and left out)."""
+    return {f"eval_ema_{k[5:]}": v for k, v in evals.items()
+            if k.startswith("eval_") and k != "eval_images"}
+
+
+def eval_file_name(step: int, split: str, data: dict, own: bool, ema: bool = False) -> str:
+    """``eval-<step>[-ema][-train].json`` for the run's own data, else named after ``data``
+    too."""
+    suffix = ("-ema" if ema else "") + ("" if split == "val" else f"-{split}")
     if own:
         return f"eval-{step}{suffix}.json"
     folder = Path(str(data.get("path") or "")).name or "generated"
@@ -146,9 +156,11 @@ def is_runs_own_data(cfg: Config) -> bool:
     return all(raw.get(k, defaults[k]) == v for k, v in ours.items())
 
 
-def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str = "val") -> dict:
+def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str = "val",
+                        ema: bool = False) -> dict:
     """``vitgraph eval``: the metrics of one checkpoint of ``cfg``'s run on ``split``, written
-    to the run directory (see the module's docstring); returns them with the file's path."""
+    to the run directory (see the module's docstring); returns them with the file's path.
+    ``ema``: the checkpoint's EMA of the weights (ConvertError when it holds none)."""
     from vitgraph.data import build_datasets
     from vitgraph.parallel.setup import for_inference, init_distributed, shutdown
     from vitgraph.plan import resolve_plan
@@ -168,16 +180,17 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
         task.attach(train_set, val_set)
         chunks = task.build_model()
         wrapped = for_inference(chunks)
-        step = ckpt.load_model(path, chunks)
+        step = ckpt.load_model(path, chunks, ema=ema)
         dataset = train_set if split == "train" else val_set
         evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size, plan.fp8,
                               plan.pack)
         data = {**data_identity(cfg.data), "split": split, "images": len(dataset.labels)}
+        evals = evaluator(dataset)
         result = {"step": step, "checkpoint": str(path), "split": split,
                   "data": {k: data[k] for k in ("kind", "path", "split", "images")},
-                  **evaluator(dataset)}
+                  **({"weights": "ema", **ema_metrics(evals)} if ema else evals)}
         if d.rank == 0:
-            out = cfg.run_dir / eval_file_name(step, split, data, is_runs_own_data(cfg))
+            out = cfg.run_dir / eval_file_name(step, split, data, is_runs_own_data(cfg), ema)
             tmp = out.with_name(out.name + ".partial")
             tmp.write_text(json.dumps(result, indent=2) + "\n")
             tmp.replace(out)

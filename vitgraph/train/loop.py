@@ -25,7 +25,8 @@ from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed,
 from vitgraph.plan import Plan, resolve_plan
 from vitgraph.tasks import make_task
 from vitgraph.train import checkpoint
-from vitgraph.train.evaluate import Evaluator
+from vitgraph.train.ema import build_ema
+from vitgraph.train.evaluate import Evaluator, ema_metrics
 from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
@@ -156,6 +157,8 @@ class Trainer:
         self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, d)
         self.optimizer = build_optimizer(self.wrapped, plan, cfg.optim,
                                          cfg.parallel.distributed_optimizer)
+        # train.ema: beside the optimizer's fp32 weights (sharded as they are)
+        self.ema = build_ema(cfg.train.ema, self.optimizer, d.device)
         if cfg.data.prefetch:
             self.loader = Prefetcher(self.loader, d.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -246,6 +249,8 @@ class Trainer:
             between()
         ok, grad_norm, _ = self.optimizer.step()
         self.task.after_update(self.chunks)
+        if self.ema is not None:  # a skipped step (ok False, or 0 on the device) leaves it
+            self.ema.update(ok)
         stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
         if lazy:
             return [stats, grad_norm, ok]
@@ -258,17 +263,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def sharded_state(self, is_loading: bool = False) -> dict:
+    def sharded_state(self, is_loading: bool = False, ema: bool = True) -> dict:
         """What a checkpoint holds, as megatron-core's dist_checkpointing takes it: model
         chunks and optimizer as sharded tensors with global names (any layout can load
-        them), schedule and data position as common state."""
+        them), schedule and data position as common state; with train.ema (and ``ema``) the
+        EMA of the weights under the model's names prefixed "ema." and its step count."""
         model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
+        extra = {}
+        if self.ema is not None and ema:
+            extra["ema"] = self.ema.sharded_state_dict(model, is_loading)
         # fully_reshardable: the distributed optimizer's state gathered into per-parameter
         # tensors named after the model's (megatron's other formats reshard only across dp)
         optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
             "distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True})
         return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
-                "loader": self.loader.state_dict()}
+                "loader": self.loader.state_dict(), **extra}
 
     def save(self) -> None:
         path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
@@ -282,10 +291,20 @@ class Trainer:
         path = checkpoint.find_resumable(self.ckpt_dir, self.d)
         if path is None:
             return
-        state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True))
+        with_ema = self.ema is not None and checkpoint.holds_ema(path)
+        state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True, ema=with_ema))
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None:
+            self.ema.rebind(self.optimizer)
+            if with_ema:
+                self.ema.load_sharded(state["ema"])
+            else:
+                self.ema.restart()
+                log.warning("checkpoint %s holds no EMA of the weights: the EMA starts from "
+                            "its weights at step %d, its warm-up from n = 0", path.name,
+                            state["step"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         self.step = self._saved_step = state["step"]
@@ -350,6 +369,9 @@ class Trainer:
 
     def _evaluate_and_log(self) -> dict:
         evals = self.evaluate()
+        if self.ema is not None and self.cfg.train.ema.eval:  # raw eval_X, EMA eval_ema_X
+            with self.ema.swapped(self.wrapped):
+                evals.update(ema_metrics(self.evaluate()))
         self.records.write({"step": self.step, **evals})
         log.info("eval step %d | %s", self.step, eval_line(evals))
         return evals

@@ -33,10 +33,17 @@ class StepResult:
 
 def eval_line(evals: dict) -> str:
     """'top1 0.9705 | loss 0.1234 | ...': a task's eval metrics, top-1 (a classifier's, or an
-    image-text pair's zero-shot) first."""
-    first = ("eval_top1", "eval_zero_shot_top1", "eval_loss")
-    keys = sorted((k for k in evals if k.startswith("eval_") and k != "eval_images"),
-                  key=lambda k: (first.index(k) if k in first else len(first), k))
+    image-text pair's zero-shot) first; the EMA weights' (``eval_ema_*``, train.ema.eval)
+    after the raw weights', in the same order: '... | ema_top1 0.9712 | ema_loss 0.1201'."""
+    first = ("top1", "zero_shot_top1", "loss")
+
+    def order(k):
+        name = k[5:]
+        ema = name.startswith("ema_")
+        name = name[4:] if ema else name
+        return ema, first.index(name) if name in first else len(first), name
+
+    keys = sorted((k for k in evals if k.startswith("eval_") and k != "eval_images"), key=order)
     return " | ".join(f"{k[5:]} {evals[k]:.4f}" for k in keys)
 
 
