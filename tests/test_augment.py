@@ -128,6 +128,8 @@ def test_config_section_and_validation():
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
                       ["data.augment.enabled=true", "data.augment.auto=trivialaugment"])
     assert cfg.data.augment.enabled and cfg.data.augment.auto == "trivialaugment"
+    assert cfg.data.augment.mixup_alpha == 0.0  # the tiny config's preset is light
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.preset=deit"])
     assert cfg.data.augment.mixup_alpha == 0.8
     with pytest.raises(ConfigError, match="data.augment.auto"):
         load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.auto=autoaug"])
@@ -135,3 +137,203 @@ def test_config_section_and_validation():
         load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.erase_prob=2"])
     with pytest.raises(ConfigError, match="did you mean"):
         load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.mixup=0.2"])
+
+
+# ---------------------------------------------------------------- presets
+
+def test_presets_resolve_and_an_explicit_key_wins():
+    from vitgraph.data.augment import PRESETS
+    keys = [f.name for f in dataclasses.fields(AugmentConfig) if f.name not in
+            ("enabled", "preset")]
+    for name, values in PRESETS.items():
+        assert sorted(values) == sorted(keys), name  # every preset sets every key
+        c = AugmentConfig(preset=name)
+        assert {k: getattr(c, k) for k in keys} == values
+    # the default is deit, and deit is the recipe the keys defaulted to before presets
+    assert AugmentConfig().preset == "deit"
+    assert (AugmentConfig().crop_scale_min, AugmentConfig().auto, AugmentConfig().mixup_alpha,
+            AugmentConfig().erase_prob) == (0.08, "randaugment", 0.8, 0.25)
+    light = AugmentConfig(enabled=True, preset="light", crop_scale_min=0.5, flip=None)
+    assert light.crop_scale_min == 0.5 and light.flip == 0.0 and not light.mixes
+    assert AugmentConfig(preset="light", flip=0.5).flip == 0.5
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
+                      ["data.augment.enabled=true", "data.augment.preset=deit3",
+                       "data.augment.color_jitter=0.1", "data.augment.mixup_alpha=0.8"])
+    a = cfg.data.augment
+    assert (a.preset, a.auto, a.color_jitter, a.mixup_alpha, a.cutmix_alpha, a.erase_prob) == \
+        ("deit3", "3augment", 0.1, 0.8, 1.0, 0.0)
+
+
+def test_small_configs_name_light_and_stay_off():
+    from vitgraph.data.augment import PRESETS
+    for name in ("vit-tiny-shapes.yaml", "clip-tiny-shapes.yaml", "vit-tiny-shapes-native.yaml"):
+        a = load_config(ROOT / "configs" / name).data.augment
+        assert not a.enabled and a.preset == "light", name
+        on = load_config(ROOT / "configs" / name, ["data.augment.enabled=true"]).data.augment
+        assert on.enabled and not on.mixes and on.auto == "none" and on.erase_prob == 0
+        assert on.crop_scale_min == PRESETS["light"]["crop_scale_min"] > 0.08
+
+
+def test_a_bad_preset_names_the_key():
+    with pytest.raises(ConfigError, match=r"data\.augment\.preset='deit4'.*did you mean"):
+        load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.preset=deit4"])
+    with pytest.raises(ConfigError, match=r"data\.augment\.preset"):
+        AugmentConfig(preset="strong")
+    with pytest.raises(ConfigError, match="data.augment.color_jitter"):
+        load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.color_jitter=1.5"])
+    # native packs cannot blur (an image's neighbouring patches): 3-Augment is refused there
+    with pytest.raises(ConfigError, match="data.augment.auto='3augment'"):
+        load_config(ROOT / "configs" / "vit-tiny-shapes-native.yaml",
+                    ["data.augment.enabled=true", "data.augment.preset=deit3",
+                     "data.augment.cutmix_alpha=0"])
+
+
+def test_resolved_config_saves_and_resumes(tmp_path):
+    import yaml
+
+    from vitgraph.config import save_config
+    from vitgraph.train.runcheck import config_changes
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.enabled=true"])
+    save_config(cfg, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["data"]["augment"]["erase_prob"] == 0.0  # the resolved values are saved
+    again = load_config(tmp_path / "config.yaml")
+    assert config_changes(saved, again.to_dict()) == []
+    assert again.data.augment == cfg.data.augment
+    # a run saved before presets existed (no preset key, the deit values) resumes unchanged
+    old = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
+                      ["data.augment.preset=deit"]).to_dict()
+    del old["data"]["augment"]["preset"], old["data"]["augment"]["color_jitter"]
+    assert config_changes(old, load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
+                                           ["data.augment.preset=deit"]).to_dict()) == []
+    changed = config_changes(saved, load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", [
+        "data.augment.enabled=true", "data.augment.preset=deit"]).to_dict())
+    assert ("data.augment.erase_prob", 0.0, 0.25) in changed
+
+
+@pytest.mark.parametrize("preset", ["light", "deit", "deit3"])
+def test_each_presets_draws_are_in_range(preset):
+    from vitgraph.data.augment import JITTER, TABLE, THREE_AUGMENT, _rng
+    c = AugmentConfig(enabled=True, preset=preset)
+    a = BatchAugment(c, 32, 10)
+    rng = _rng(0, (0, 0, 0), 1)
+    n = 4000
+    w, h, cx, cy, flip = a._crop_params(rng, n)
+    area = w * h
+    whole = (w == 1) & (h == 1)
+    assert ((area >= c.crop_scale_min - 1e-9) & (area <= c.crop_scale_max + 1e-9) | whole).all()
+    assert ((cx - w / 2 >= -1e-9) & (cx + w / 2 <= 1 + 1e-9)).all()
+    assert abs(flip.mean() - c.flip) < 0.05
+    ops, mag = a._op_params(rng, n)
+    assert ((ops >= -1) & (ops < len(TABLE))).all() and (np.abs(mag) <= 1 + 1e-12).all()
+    if preset == "light":
+        assert ops.shape == (n, 0) and not c.mixes and c.erase_prob == 0
+    elif preset == "deit":
+        assert ops.shape == (n, 2) and ops.max() < len(TABLE) - 2  # RandAugment's own ops
+        assert 0.4 < (ops >= 0).mean() < 0.6  # op_prob 0.5
+    else:
+        assert ops.shape == (n, 4) and (ops >= 0).all()
+        names = np.array(TABLE)[ops]
+        # exactly one of 3-Augment's ops per image, each a third of the time
+        assert np.isin(names[:, 0], THREE_AUGMENT).all()
+        for op in THREE_AUGMENT:
+            assert 0.3 < (names[:, 0] == op).mean() < 0.37, op
+        blur = names[:, 0] == "blur"
+        assert ((mag[blur, 0] >= 0.05) & (mag[blur, 0] <= 1)).all()  # sigma 0.1-2 px
+        assert (mag[names[:, 0] == "solarize", 0] == 0.5).all()  # PIL's threshold 128
+        # then colour jitter: brightness, contrast and saturation once each, in random order
+        assert all(sorted(row) == sorted(JITTER) for row in names[:200, 1:])
+        assert len({tuple(row) for row in names[:, 1:]}) == 6
+        factor = 1 + 0.9 * mag[:, 1:]
+        assert ((factor >= 0.7 - 1e-9) & (factor <= 1.3 + 1e-9)).all()
+        assert factor.min() < 0.72 and factor.max() > 1.28
+        lam, box = a.mix_params(32, (0, 0))
+        assert box is not None  # cutmix alone (mixup off)
+
+
+def test_deit3_applies_exactly_one_of_its_ops_per_image():
+    from vitgraph.data.augment import TABLE, _blur, _rng
+    images, _ = batch(b=60)
+    cfg = AugmentConfig(enabled=True, preset="deit3", crop_scale_min=1.0, crop_ratio_min=1.0,
+                        crop_ratio_max=1.0, flip=0.0, color_jitter=0.0, cutmix_alpha=0.0)
+    a = BatchAugment(cfg, 32, 5)
+    x = a.images(images, (2, 0), "cpu")
+    rng = _rng(0, (0, 2, 0), 1)
+    a._crop_params(rng, 60)
+    ops, mag = a._op_params(rng, 60)
+    names = np.array(TABLE)[ops[:, 0]]
+    base = images.permute(0, 3, 1, 2).float() / 255
+    from vitgraph.data.loader import MEAN, STD
+    y = x * torch.tensor(STD).view(1, 3, 1, 1) + torch.tensor(MEAN).view(1, 3, 1, 1)  # [0, 1]
+    for i, name in enumerate(names):
+        gray = torch.allclose(y[i, 0], y[i, 1], atol=1e-5) and torch.allclose(y[i, 1], y[i, 2],
+                                                                             atol=1e-5)
+        solar = torch.allclose(y[i], torch.where(base[i] >= 0.5, 1 - base[i], base[i]), atol=1e-5)
+        blurred = _blur(base[i:i + 1], torch.tensor([2.0 * mag[i, 0]], dtype=torch.float32))
+        blur = torch.allclose(y[i], blurred[0], atol=1e-5)
+        assert (gray, solar, blur) == (name == "grayscale", name == "solarize",
+                                       name == "blur"), (i, name)
+    assert len(set(names)) == 3
+
+
+def test_grayscale_and_blur_numerics():
+    from vitgraph.data.augment import _blur
+    x = torch.rand(3, 3, 20, 20)
+    g = _colour("grayscale", x, torch.zeros(3, 1, 1, 1), torch.ones(3, 1, 1, 1))
+    assert torch.equal(g[:, 0], g[:, 1]) and torch.equal(g[:, 1], g[:, 2])
+    want = 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]
+    assert torch.allclose(g[:, 0], want, atol=1e-6)
+    flat = torch.full((2, 3, 16, 16), 0.3)
+    assert torch.allclose(_colour("blur", flat, torch.full((2, 1, 1, 1), 1.0),
+                                  torch.ones(2, 1, 1, 1)), flat, atol=1e-6)
+    # a point spreads into a normalised gaussian of each image's own sigma
+    delta = torch.zeros(2, 3, 33, 33)
+    delta[:, :, 16, 16] = 1.0
+    y = _blur(delta, torch.tensor([1.0, 1.5]))
+    assert torch.allclose(y.sum((2, 3)), torch.ones(2, 3), atol=1e-5)
+    t = torch.arange(33.0) - 16
+    var = (y[:, 0].sum(1) * t ** 2).sum(1)  # the spread along x
+    assert var[0] == pytest.approx(1.0, rel=0.02) and var[1] == pytest.approx(2.25, rel=0.02)
+    assert torch.allclose(y[:, 0], y[:, 0].transpose(-1, -2), atol=1e-7)  # separable, square
+    tiny = _blur(x, torch.full((3,), 0.1))  # sigma 0.1: nearly the image
+    assert torch.allclose(tiny, x, atol=1e-4)
+
+
+def test_presets_run_end_to_end_and_deterministically():
+    images, labels = batch(b=16)
+    for preset in ("light", "deit", "deit3"):
+        a = BatchAugment(AugmentConfig(enabled=True, preset=preset), 24, 5, 0.1, seed=1)
+        x = a.images(images, (1, 0), "cpu")
+        assert x.shape == (16, 3, 24, 24) and torch.isfinite(x).all()
+        assert torch.equal(x, a.images(images, (1, 0), "cpu")), preset
+        t = a.targets(labels, (1, 0))
+        assert t.shape == ((16,) if preset == "light" else (16, 5))
+
+
+def test_native_packs_draw_colour_jitter_with_their_own_ops():
+    from vitgraph.data.native import OPS as PACK_OPS
+    from vitgraph.data.native import pack_params
+    cfg = AugmentConfig(enabled=True, preset="light", color_jitter=0.3)
+    flip, ops, mag = pack_params(cfg, np.random.default_rng(0), 50)
+    assert ops.shape == (50, 3) and flip.shape == (50,)
+    names = np.array(PACK_OPS)[ops]
+    assert all(sorted(r) == ["brightness", "color", "contrast"] for r in names)
+    assert ((1 + 0.9 * mag >= 0.7 - 1e-9) & (1 + 0.9 * mag <= 1.3 + 1e-9)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["light", "deit", "deit3"])
+def test_presets_on_the_gpu_match_the_cpu(preset):
+    """The draws are the host's, the ops (blur and grayscale included) batched on the device:
+    the same batch as on the CPU up to float rounding (equalize and posterize round to 8 bits,
+    so a pixel there may differ by a level). Erasing is off: its noise is the device
+    generator's, another stream on each device by design."""
+    images, labels = batch(b=32, size=40)
+    a = BatchAugment(AugmentConfig(enabled=True, preset=preset, erase_prob=0.0), 32, 5, 0.1,
+                     seed=3)
+    for key in ((0, 0), (7, 1)):
+        cpu = a.images(images, key, "cpu")
+        gpu = a.images(images.cuda(), key, "cuda").cpu()
+        close = ((gpu - cpu).abs() < 1e-4).float().mean()
+        assert close > 0.999, (preset, key, close)
+        assert torch.equal(a.targets(labels, key), a.targets(labels.cuda(), key).cpu())

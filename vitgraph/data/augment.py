@@ -1,4 +1,4 @@
-"""Training augmentation, batched on the device: the DeiT / timm recipe on whole microbatches.
+"""Training augmentation, batched on the device: the DeiT / timm recipes on whole microbatches.
 
 ``BatchAugment`` turns a uint8 [b, H, W, 3] microbatch (on any device) into normalized model
 inputs and (soft) targets:
@@ -7,10 +7,15 @@ inputs and (soft) targets:
    (rotate, shear, translate), composed into one affine map per image: a single
    ``grid_sample`` over the batch crops, flips, warps and resizes to ``image_size``;
 2. the colour ops (brightness, colour, contrast, sharpness, posterize, solarize,
-   autocontrast, equalize), each applied to the images that drew it;
+   autocontrast, equalize; 3-Augment's grayscale, solarize and gaussian blur; colour jitter
+   as brightness, contrast and colour factors in a random order), each applied to the images
+   that drew it;
 3. normalization, then random erasing (per-pixel normal noise, as timm's ``mode="pixel"``);
 4. mixup or cutmix over the batch (one lambda per batch, partner = the batch reversed, as
    timm's ``mode="batch"``), with label smoothing folded into the soft targets.
+
+``data.augment.preset`` (light | deit | deit3) gives every other key its default; a key set in
+the config wins over its preset (``AugmentConfig.resolve``).
 
 Every random choice except the erasing noise is drawn on the CPU from a numpy generator
 seeded by (seed, step, data-parallel rank, microbatch): the same on CPU and GPU, the same
@@ -23,59 +28,161 @@ for timm's random op order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitgraph.config_keys import check_section, key
+from vitgraph.config_keys import ConfigError, check_section, declared, key
 from vitgraph.data.loader import MEAN, STD, to_device_uint8
 
 GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
 COLOUR = ("identity", "autocontrast", "equalize", "brightness", "color", "contrast",
           "sharpness", "posterize", "solarize")
-OPS = GEOMETRIC + COLOUR
+OPS = GEOMETRIC + COLOUR  # what RandAugment / TrivialAugment draw from
+# 3-Augment's own ops (outside OPS, so that RandAugment's draws are unchanged)
+EXTRA = ("grayscale", "blur")
+TABLE = OPS + EXTRA  # what an op index of ``draw_ops`` names here
+THREE_AUGMENT = ("grayscale", "solarize", "blur")
+JITTER = ("brightness", "contrast", "color")  # torchvision ColorJitter's b / c / saturation
+BLUR_SIGMA = (0.1, 2.0)  # 3-Augment's gaussian blur: sigma in pixels of the output (DeiT III)
+
+# Each preset gives every other key of data.augment (a key the config sets wins):
+# - deit: DeiT's ImageNet-1k recipe (timm's defaults): random-resized crop 8-100% of the area,
+#   flip, RandAugment m9 (2 ops, std 0.5, p 0.5), mixup 0.8 / cutmix 1.0 on every batch,
+#   random erasing 0.25. For ViT-S/B and up on ImageNet-sized data and hundreds of epochs; far
+#   too strong for a small model or a few thousand images (the 4-layer tiny config on 1,437
+#   digit scans: 36% held-out with it, 98% without; docs/data.md).
+# - deit3: DeiT III's 3-Augment: random-resized crop 8-100%, flip, one of grayscale /
+#   solarize / gaussian blur (sigma 0.1-2 px) per image, colour jitter 0.3, cutmix 1.0 without
+#   mixup (DeiT III's ImageNet-21k runs; its ImageNet-1k runs add mixup_alpha=0.8), no
+#   RandAugment, no erasing. For ViT-B and up on ImageNet-1k / 21k with long schedules.
+# - light: a mild random-resized crop (80-100% of the area: a small shift and zoom) and nothing
+#   else, no flip: small models, small data and short runs (the tiny CPU configs), where the
+#   recipes above cost more than they add. Tuned on the tiny config (docs/data.md): crop 35% +
+#   flip and crop 80% + flip both trained worse than no augmentation on digit scans (a mirror
+#   makes a digit another glyph); add data.augment.flip=0.5 for natural images.
+PRESETS = {"deit": dict(
+    crop_scale_min=0.08, crop_scale_max=1.0, crop_ratio_min=0.75, crop_ratio_max=1.3333333,
+    flip=0.5, auto="randaugment", num_ops=2, magnitude=9.0, magnitude_std=0.5, op_prob=0.5,
+    color_jitter=0.0, mixup_alpha=0.8, cutmix_alpha=1.0, mix_prob=1.0, switch_prob=0.5,
+    erase_prob=0.25)}
+PRESETS["deit3"] = {**PRESETS["deit"], "auto": "3augment", "color_jitter": 0.3,
+                    "mixup_alpha": 0.0, "erase_prob": 0.0}
+PRESETS["light"] = {**PRESETS["deit"], "crop_scale_min": 0.8, "flip": 0.0, "auto": "none",
+                    "mixup_alpha": 0.0, "cutmix_alpha": 0.0, "erase_prob": 0.0}
+
+
+def _at_least(name: str):
+    return lambda v, a: getattr(a, name) is None or v >= getattr(a, name)
 
 
 @dataclass
 class AugmentConfig:
     """``data.augment``: training-time augmentation (never applied to held-out data).
 
-    Defaults are DeiT's ImageNet recipe: random-resized crop (8-100% of the area, aspect
-    3/4-4/3), flip, RandAugment m9 (2 ops, magnitude std 0.5), mixup 0.8 / cutmix 1.0 (one of
-    the two per batch), random erasing 0.25; label smoothing stays ``train.label_smoothing``.
+    ``preset`` gives the other keys their defaults (``PRESETS`` above says what each preset
+    holds and the scale it suits); a key given in the config (not null) wins. The keys are
+    resolved when the section is made (``resolve``): what is saved with a run, compared on
+    resume and read by ``BatchAugment`` are the resolved values. Label smoothing stays
+    ``train.label_smoothing``.
     """
     enabled: bool = False
+    # deit is the default so that a config without a preset trains as it did before presets
+    # existed (and resumes: a run's saved config holds these values); the tiny configs and
+    # small-data configs name light
+    preset: str = key("deit", choices=tuple(PRESETS))
     # RandomResizedCrop: area fraction of the image
-    crop_scale_min: float = key(0.08, above=0, max=1)
-    crop_scale_max: float = key(1.0, above=0, max=1, check=lambda v, a: v >= a.crop_scale_min,
-                                why="must be >= data.augment.crop_scale_min")
-    crop_ratio_min: float = key(0.75, above=0)  # aspect ratio w/h
-    crop_ratio_max: float = key(1.3333333, above=0, check=lambda v, a: v >= a.crop_ratio_min,
-                                why="must be >= data.augment.crop_ratio_min")
-    flip: float = key(0.5, min=0, max=1)  # probability of a horizontal flip
-    auto: str = key("randaugment", choices=("randaugment", "trivialaugment", "none"))
-    num_ops: int = key(2, min=0)  # RandAugment: ops per image (TrivialAugment: always 1)
+    crop_scale_min: Optional[float] = key(None, above=0, max=1)
+    crop_scale_max: Optional[float] = key(None, above=0, max=1, check=_at_least("crop_scale_min"),
+                                          why="must be >= data.augment.crop_scale_min")
+    crop_ratio_min: Optional[float] = key(None, above=0)  # aspect ratio w/h
+    crop_ratio_max: Optional[float] = key(None, above=0, check=_at_least("crop_ratio_min"),
+                                          why="must be >= data.augment.crop_ratio_min")
+    flip: Optional[float] = key(None, min=0, max=1)  # probability of a horizontal flip
+    # per-image ops: randaugment (num_ops of OPS), trivialaugment (one), 3augment (DeiT III:
+    # one of grayscale / solarize / gaussian blur, always applied), none
+    auto: Optional[str] = key(None, choices=("randaugment", "trivialaugment", "3augment",
+                                             "none"))
+    num_ops: Optional[int] = key(None, min=0)  # RandAugment: ops per image (TrivialAugment: 1)
     # RandAugment magnitude (TrivialAugment: uniform 0..10)
-    magnitude: float = key(9.0, min=0, max=10)
-    magnitude_std: float = key(0.5, min=0)
+    magnitude: Optional[float] = key(None, min=0, max=10)
+    magnitude_std: Optional[float] = key(None, min=0)
     # RandAugment: each chosen op is applied with this probability
-    op_prob: float = key(0.5, min=0, max=1)
-    mixup_alpha: float = key(0.8, min=0)  # 0 disables mixup
-    cutmix_alpha: float = key(1.0, min=0)  # 0 disables cutmix
-    mix_prob: float = key(1.0, min=0, max=1)  # probability that a batch is mixed at all
+    op_prob: Optional[float] = key(None, min=0, max=1)
+    # colour jitter after the ops: brightness, contrast and saturation factors each uniform in
+    # [1 - j, 1 + j], in a random order per image (torchvision's ColorJitter(j, j, j)); 0: off
+    color_jitter: Optional[float] = key(None, min=0, max=0.9)
+    mixup_alpha: Optional[float] = key(None, min=0)  # 0 disables mixup
+    cutmix_alpha: Optional[float] = key(None, min=0)  # 0 disables cutmix
+    # probability that a batch is mixed at all
+    mix_prob: Optional[float] = key(None, min=0, max=1)
     # with both on: probability of cutmix rather than mixup
-    switch_prob: float = key(0.5, min=0, max=1)
-    erase_prob: float = key(0.25, min=0, max=1)  # random erasing, per image
+    switch_prob: Optional[float] = key(None, min=0, max=1)
+    erase_prob: Optional[float] = key(None, min=0, max=1)  # random erasing, per image
+
+    def __post_init__(self):
+        self.resolve()
+
+    def resolve(self) -> "AugmentConfig":
+        """Fill every key left null with ``preset``'s value (the one place presets apply)."""
+        if self.preset not in PRESETS:
+            f = next(f for f in fields(self) if f.name == "preset")
+            why = declared(f).problem(self.preset) or f"must be one of {', '.join(PRESETS)}"
+            raise ConfigError(f"data.augment.preset={self.preset!r}: {why}")
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        return self
 
     def validate(self) -> None:
         """ConfigError (a ValueError) naming the first key whose value is not allowed."""
-        check_section(self, "data.augment.")
+        check_section(self.resolve(), "data.augment.")
 
     @property
     def mixes(self) -> bool:
-        return self.enabled and self.mix_prob > 0 and (self.mixup_alpha > 0 or self.cutmix_alpha > 0)
+        return self.enabled and self.mix_prob > 0 and (self.mixup_alpha > 0
+                                                       or self.cutmix_alpha > 0)
+
+
+def draw_ops(cfg: AugmentConfig, rng: np.random.Generator, n: int, pool: tuple,
+             table: tuple | None = None):
+    """Per image: [n, slots] op indices into ``table`` (-1: skipped) and signed magnitudes in
+    [-1, 1], for ``cfg.auto`` (RandAugment / TrivialAugment pick from ``pool``, the first
+    entries of ``table``) and then ``cfg.color_jitter``. Shared by ``BatchAugment`` and the
+    native-resolution packs (vitgraph.data.native.pack_params), each with its own ops."""
+    table = pool if table is None else table
+    ops, mag = np.full((n, 0), -1), np.zeros((n, 0))
+    if cfg.auto in ("randaugment", "trivialaugment") and not (
+            cfg.auto == "randaugment" and cfg.num_ops == 0):
+        slots = 1 if cfg.auto == "trivialaugment" else cfg.num_ops
+        ops = rng.integers(0, len(pool), (n, slots))
+        if cfg.auto == "trivialaugment":
+            m = rng.uniform(0, 10, (n, slots))
+        else:
+            m = cfg.magnitude + rng.normal(0, 1, (n, slots)) * cfg.magnitude_std \
+                if cfg.magnitude_std > 0 else np.full((n, slots), cfg.magnitude)
+            ops = np.where(rng.uniform(0, 1, (n, slots)) >= cfg.op_prob, -1, ops)
+        sign = np.where(rng.uniform(0, 1, (n, slots)) < 0.5, -1.0, 1.0)
+        mag = np.clip(m, 0, 10) / 10 * sign
+    elif cfg.auto == "3augment":
+        pick = rng.integers(0, len(THREE_AUGMENT), n)
+        ops = np.array([table.index(name) for name in THREE_AUGMENT])[pick][:, None]
+        sigma = rng.uniform(*BLUR_SIGMA, n)
+        # solarize at 128 of 255 (PIL's default threshold: 1 - m); blur's sigma / its maximum
+        mag = np.where(np.array(THREE_AUGMENT)[pick] == "blur", sigma / BLUR_SIGMA[1],
+                       np.where(np.array(THREE_AUGMENT)[pick] == "solarize", 0.5, 0.0))[:, None]
+    if cfg.color_jitter > 0:
+        j = cfg.color_jitter
+        factor = rng.uniform(1 - j, 1 + j, (n, len(JITTER)))
+        order = np.argsort(rng.uniform(0, 1, (n, len(JITTER))), axis=1)  # a random order each
+        idx = np.array([table.index(name) for name in JITTER])
+        # the colour ops' factor is 1 + 0.9 x the signed magnitude
+        ops = np.concatenate([ops, idx[order]], 1)
+        mag = np.concatenate([mag, np.take_along_axis((factor - 1) / 0.9, order, 1)], 1)
+    return ops, mag
 
 
 def _rng(seed: int, key: tuple, stream: int) -> np.random.Generator:
@@ -108,21 +215,8 @@ class BatchAugment:
         return w, h, cx, cy, flip
 
     def _op_params(self, rng, b: int):
-        """[b, slots] op indices (-1: skipped) and magnitudes in [0, 1]."""
-        c = self.cfg
-        if c.auto == "none" or (c.auto == "randaugment" and c.num_ops == 0):
-            return np.full((b, 0), -1), np.zeros((b, 0))
-        slots = 1 if c.auto == "trivialaugment" else c.num_ops
-        ops = rng.integers(0, len(OPS), (b, slots))
-        if c.auto == "trivialaugment":
-            mag = rng.uniform(0, 10, (b, slots))
-        else:
-            mag = c.magnitude + rng.normal(0, 1, (b, slots)) * c.magnitude_std \
-                if c.magnitude_std > 0 else np.full((b, slots), c.magnitude)
-            skip = rng.uniform(0, 1, (b, slots)) >= c.op_prob
-            ops = np.where(skip, -1, ops)
-        sign = np.where(rng.uniform(0, 1, (b, slots)) < 0.5, -1.0, 1.0)
-        return ops, np.clip(mag, 0, 10) / 10 * sign
+        """[b, slots] op indices into ``TABLE`` (-1: skipped) and signed magnitudes."""
+        return draw_ops(self.cfg, rng, b, OPS, TABLE)
 
     def mix_params(self, b: int, key: tuple):
         """(lam, cutmix box (y0, y1, x0, x1) as fractions or None); lam 1 = no mixing."""
@@ -186,7 +280,7 @@ class BatchAugment:
                           align_corners=False).add_(0.5).clamp_(0, 1)
 
         for slot in range(ops.shape[1]):
-            for k, name in enumerate(OPS):
+            for k, name in enumerate(TABLE):
                 if name in GEOMETRIC or name == "identity":
                     continue
                 idx = np.nonzero(ops[:, slot] == k)[0]
@@ -293,6 +387,10 @@ def _colour(name: str, x: torch.Tensor, m: torch.Tensor, sign: torch.Tensor) -> 
         lo = x.amin((2, 3), keepdim=True)
         hi = x.amax((2, 3), keepdim=True)
         return torch.where(hi > lo, (x - lo) / (hi - lo).clamp_min(1e-6), x)
+    if name == "grayscale":
+        return _gray(x).expand_as(x).contiguous()
+    if name == "blur":  # gaussian, sigma = m x BLUR_SIGMA[1] pixels, edges replicated
+        return _blur(x, m.view(-1) * BLUR_SIGMA[1])
     if name == "equalize":
         b = x.shape[0]
         q = (x * 255).round().long().clamp_(0, 255).view(b * 3, -1)
@@ -303,6 +401,19 @@ def _colour(name: str, x: torch.Tensor, m: torch.Tensor, sign: torch.Tensor) -> 
         lut = ((cdf - cdf_min) / (cdf[:, -1:] - cdf_min).clamp_min(1)).clamp_(0, 1)
         return lut.gather(1, q).view_as(x).to(x.dtype)
     raise ValueError(name)
+
+
+def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """A separable gaussian blur per image (sigma [b] in pixels), one grouped conv a pass."""
+    b, c, h, w = x.shape
+    r = math.ceil(3 * BLUR_SIGMA[1])
+    t = torch.arange(-r, r + 1, device=x.device, dtype=x.dtype)
+    k = torch.exp(-t.view(1, -1) ** 2 / (2 * sigma.view(-1, 1).to(x.dtype) ** 2))
+    k = (k / k.sum(1, keepdim=True)).repeat_interleave(c, 0)  # [b c, 2r + 1]
+    y = F.pad(x.reshape(1, b * c, h, w), (r, r, r, r), mode="replicate")
+    y = F.conv2d(y, k.view(b * c, 1, 1, -1), groups=b * c)
+    y = F.conv2d(y, k.view(b * c, 1, -1, 1), groups=b * c)
+    return y.view(b, c, h, w).clamp_(0, 1)
 
 
 def prepare_batch(augment: BatchAugment | None, images, labels: torch.Tensor, key,

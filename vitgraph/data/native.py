@@ -531,21 +531,12 @@ def _rng(seed: int, key: tuple, stream: int) -> np.random.Generator:
 
 def pack_params(cfg, rng: np.random.Generator, m: int):
     """Per image slot: flip (bool [m]), op indices into ``OPS`` ([m, slots], -1: skipped) and
-    signed magnitudes in [-1, 1], drawn as ``BatchAugment`` draws them (flip, auto, num_ops,
-    magnitude, magnitude_std, op_prob)."""
+    signed magnitudes in [-1, 1], drawn as ``BatchAugment`` draws them (flip, then
+    ``augment.draw_ops``: auto, num_ops, magnitude, magnitude_std, op_prob, color_jitter)."""
+    from vitgraph.data.augment import draw_ops
     flip = rng.uniform(0, 1, m) < cfg.flip
-    if cfg.auto == "none" or (cfg.auto == "randaugment" and cfg.num_ops == 0):
-        return flip, np.full((m, 0), -1), np.zeros((m, 0))
-    slots = 1 if cfg.auto == "trivialaugment" else cfg.num_ops
-    ops = rng.integers(0, len(OPS), (m, slots))
-    if cfg.auto == "trivialaugment":
-        mag = rng.uniform(0, 10, (m, slots))
-    else:
-        mag = cfg.magnitude + rng.normal(0, 1, (m, slots)) * cfg.magnitude_std \
-            if cfg.magnitude_std > 0 else np.full((m, slots), cfg.magnitude)
-        ops = np.where(rng.uniform(0, 1, (m, slots)) >= cfg.op_prob, -1, ops)
-    sign = np.where(rng.uniform(0, 1, (m, slots)) < 0.5, -1.0, 1.0)
-    return flip, ops, np.clip(mag, 0, 10) / 10 * sign
+    ops, mag = draw_ops(cfg, rng, m, OPS)
+    return flip, ops, mag
 
 
 def _per_token(values, seg: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -58,10 +58,12 @@ def duration(seconds: float) -> str:
 
 
 def augment_line(a, mixes_labels: bool = True) -> str:
-    """The augmentation in force (``data.augment``), as the start of a run logs it.
-    ``mixes_labels``: whether the task mixes labels (a contrastive task never does)."""
+    """The augmentation in force (``data.augment``, its preset's values resolved), as the
+    start of a run logs it. ``mixes_labels``: whether the task mixes labels (a contrastive
+    task never does)."""
     if not a.enabled:
         return "off"
+    a = a.resolve()
     parts = [f"crop {a.crop_scale_min:g}-{a.crop_scale_max:g} of the area"]
     if a.flip:
         parts.append(f"flip {a.flip:g}")
@@ -70,6 +72,10 @@ def augment_line(a, mixes_labels: bool = True) -> str:
                      f"p {a.op_prob:g})")
     elif a.auto == "trivialaugment":
         parts.append("trivialaugment")
+    elif a.auto == "3augment":
+        parts.append("3-augment (grayscale / solarize / blur)")
+    if a.color_jitter:
+        parts.append(f"colour jitter {a.color_jitter:g}")
     if mixes_labels and a.mixes:
         mix = [f"{name} {alpha:g}" for name, alpha in (("mixup", a.mixup_alpha),
                                                         ("cutmix", a.cutmix_alpha)) if alpha]
