@@ -1,5 +1,5 @@
-"""``vitgraph train|eval|export|configs|models|cache`` (also ``python -m vitgraph``, and under
-torchrun)."""
+"""``vitgraph train|eval|export|params|configs|models|cache`` (also ``python -m vitgraph``,
+and under torchrun)."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
     ex.add_argument("--ema", action="store_true",
                     help="the EMA of the weights (train.ema, fp32) instead of the weights")
+    pa = sub.add_parser("params", help="list a config's parameters: shape, lr scale, weight "
+                        "decay, frozen",
+                        description="Build CONFIG's model on CPU (torch spec, one process, no "
+                                    "data read, nothing trained) and print one line per "
+                                    "parameter: its name (what model.freeze patterns match), "
+                                    "shape, lr scale (optim.layer_decay), weight decay on/off "
+                                    "and whether model.freeze / task.lock_image freeze it.")
+    pa.add_argument("config", help="YAML experiment config")
+    pa.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
     sub.add_parser("configs", help="list the bundled configs with their header lines")
     sub.add_parser("models", help="list the registered model names")
     ca = sub.add_parser("cache", help="show (or --clear) the generated-dataset cache")
@@ -78,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cache(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "params":
+        return _params(args)
     if args.command == "train" and not args.config:
         parser.train_parser.print_help(sys.stderr)
         return 2
@@ -142,6 +153,72 @@ def _models() -> int:
         print(f"  {name:24s} image: {tower(p.vision)} | text: width {t.hidden_size} depth "
               f"{t.num_layers} heads {t.num_heads} context {t.context_length} | "
               f"embed {p.embed_dim}")
+    return 0
+
+
+def _class_count(data) -> int:
+    """A classifier head's size as training would find it, without reading the images."""
+    from pathlib import Path as P
+    if data.kind == "imagefolder":
+        from vitgraph.data.imagefolder import list_classes
+        return len(list_classes(str(P(data.path).expanduser() / "train")))
+    if data.kind == "webdataset":
+        from vitgraph.data.shards import _split_samples
+        return len(_split_samples(str(P(data.path).expanduser()), "train", None)[5])
+    return data.num_classes
+
+
+def _params(args) -> int:
+    """`vitgraph params`: the model of a config, built as training builds it, one line per
+    parameter. At one process and tp = pp = 1: the names are the global ones that model.freeze
+    matches at every layout (vitgraph.train.optim.global_names)."""
+    if "torch" not in sys.modules:  # nothing here needs a GPU: stay off it
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from vitgraph.config import ConfigError, load_config
+    from vitgraph.data import DataError
+    single = ["model.spec=torch", "train.precision=fp32", "graphs.enabled=false",
+              "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
+              "parallel.sequence_parallel=false", "parallel.overlap_p2p_comm=false"]
+    try:
+        cfg = load_config(args.config, [*args.overrides, *single])
+    except ConfigError as e:
+        print(f"vitgraph: config error: {e}", file=sys.stderr)
+        return 2
+    from vitgraph.parallel.setup import init_distributed, shutdown
+    from vitgraph.plan import resolve_plan
+    from vitgraph.tasks import make_task
+    from vitgraph.train.optim import _no_decay, freeze, freeze_rules, global_names, lr_scales
+    try:
+        d = init_distributed(cfg)
+    except ConfigError as e:
+        print(f"vitgraph: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        plan = resolve_plan(cfg, d)
+        task = make_task(plan, cfg, d)
+        task.num_classes = cfg.model.num_classes or _class_count(cfg.data)
+        chunks = task.build_model()
+        freeze(chunks, freeze_rules(cfg))
+        scales = lr_scales(chunks, cfg.optim.layer_decay)
+        names = global_names(chunks[0])
+        rows = [(names[id(p)], "x".join(map(str, p.shape)) or "scalar", p.numel(),
+                 scales[id(p)], not _no_decay(names[id(p)], p), p.requires_grad)
+                for p in chunks[0].parameters()]
+    except (ConfigError, DataError) as e:
+        print(f"vitgraph: {'config' if isinstance(e, ConfigError) else 'data'} error: {e}",
+              file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    width = max(len(r[0]) for r in rows)
+    print(f"{'name':{width}s}  {'shape':>14s}  {'lr scale':>9s}  wd   frozen")
+    for name, shape, _, s, wd, trains in rows:
+        print(f"{name:{width}s}  {shape:>14s}  {s:9.4g}  {'on ' if wd else 'off'}  "
+              f"{'no' if trains else 'yes'}")
+    frozen = [r for r in rows if not r[5]]
+    print(f"{len(rows)} parameter tensors, {sum(r[2] for r in rows):,} elements; frozen: "
+          f"{len(frozen)} tensors, {sum(r[2] for r in frozen):,} elements; optim.layer_decay="
+          f"{cfg.optim.layer_decay}")
     return 0
 
 

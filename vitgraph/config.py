@@ -52,9 +52,12 @@ class ModelConfig:
     # probability rising linearly over the global layer index, from 0 at the first layer to
     # this at the last; survivors are scaled by 1 / (1 - p)
     drop_path_rate: float = key(0.0, min=0, below=1)
-    # parameters left out of training: fnmatch patterns over the model's parameter names
-    # (`vitgraph params CONFIG` lists them), e.g. ["embed.*", "decoder.layers.0.*"]. Frozen
-    # parameters get no gradient, no gradient buffer and no optimizer state
+    # parameters left out of training: fnmatch patterns over the model's parameter names,
+    # e.g. ["patch_embed.*", "cls_token", "pos_embed", "decoder.layers.0.*"] (a pair's:
+    # "visual.*", "text.decoder.layers.1[01].*"). `vitgraph params CONFIG [key=value ...]`
+    # lists every name with its shape, lr scale, weight decay and whether it is frozen.
+    # Frozen parameters get no gradient, no gradient buffer and no optimizer state, and stay
+    # in checkpoints. A pattern matching nothing, or freezing everything, is an error
     freeze: Optional[list] = key(
         None, check=lambda v, _: all(isinstance(x, str) and x for x in v),
         why="a list of parameter-name patterns (strings)")
@@ -693,6 +696,10 @@ def validate(cfg: Config, src: str = "<config>") -> None:
                      or Path(dt.teacher).expanduser().is_dir()):
         err("train.distill.model", dt.model, "names the architecture of a weights-file "
             "teacher only (train.distill.teacher)")
+
+    if cfg.task.lock_image and task_kind(cfg) != "contrastive":
+        err("task.lock_image", True, "freezes an image-text pair's image tower (LiT): "
+            "task.kind=contrastive only; a classifier's parts are frozen by model.freeze")
 
     if cfg.train.ema.eval and cfg.train.ema.decay is None:
         err("train.ema.eval", True, "evaluates the EMA of the weights: set train.ema.decay "

@@ -166,7 +166,11 @@ class TEGraphedCallable(GraphedCallable):
         # TE warms up with autograd.backward (not autograd.grad): megatron's capture flag
         # makes DDP's grad hooks return early, TE restores .grad, vitgraph restores main_grad
         with ParamSideEffects(params) as side, capture_flags(te=False), _with_megatron_rng_in_te_registry():
-            graphed = mgc(wrapper, sample, **kw)
+            if params or any(x.requires_grad for x in sample):
+                graphed = mgc(wrapper, sample, **kw)
+            else:  # a frozen layer on inputs that need no gradient (model.freeze): TE's
+                wrapper(*sample)  # warm-up would ask autograd.grad for no inputs; run eagerly
+                graphed = None
         if before is not None:
             backend.synchronize()
             torch.cuda.empty_cache()

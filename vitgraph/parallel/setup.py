@@ -1,7 +1,9 @@
-"""Process groups and ``parallelize``: the one place where precision, data parallelism and
-CUDA graphs are applied to this rank's model chunks (built by vitgraph.models.build), in this
-order:
+"""Process groups and ``parallelize``: the one place where frozen parameters, precision, data
+parallelism and CUDA graphs are applied to this rank's model chunks (built by
+vitgraph.models.build), in this order:
 
+0. frozen parameters (model.freeze, task.lock_image) lose requires_grad, before anything
+   allocates gradients or optimizer state for them;
 1. precision: bf16 through megatron-core's ``Float16Module`` (GPU); FP8 is TE's, inside the
    layers (TransformerConfig.fp8);
 2. data parallelism: megatron-core ``DistributedDataParallel`` per chunk, with gradient
@@ -227,10 +229,17 @@ def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
     return out
 
 
-def parallelize(chunks: list, plan, p, d: Dist):
+def parallelize(chunks: list, plan, p, d: Dist, freeze: list | None = None):
     """Apply precision, data parallelism and graphs (in that order) to every chunk, as the
     plan (vitgraph.plan.Plan: its graph path) and the ``parallel:`` section ``p`` say.
+    ``freeze``: (config key, pattern) rules (vitgraph.train.optim.freeze_rules) whose
+    parameters are frozen first, so DDP, the optimizer and the graphs leave them out.
     Returns (wrapped chunks, graphs: a graph manager, or NoGraphs)."""
+    if freeze:
+        from vitgraph.train.optim import freeze as freeze_params
+        n = freeze_params(chunks, freeze, d.pp_rank, d.pp)
+        log.info("frozen: %d parameter tensors on this rank (%s)", n,
+                 ", ".join(f"{k}={pat}" for k, pat in freeze))
     wrapped = list(chunks)
     if d.cuda:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -37,6 +37,11 @@ from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, ret
 from vitgraph.text import make_tokenizer
 
 
+# task.lock_image (LiT): the parameter names of the pair's image tower (vitgraph.models.clip),
+# frozen by vitgraph.train.optim.freeze; the logit scale and bias and the text tower train
+IMAGE_TOWER = "visual.*"
+
+
 def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
     """Training FLOPs of one sample through a tower, T * (6N + 12 L d T) (docs/design.md)."""
     return tokens * (6 * n_params + 12 * layers * width * tokens)

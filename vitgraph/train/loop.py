@@ -31,7 +31,7 @@ from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
                                     graphs_line, train_line)
-from vitgraph.train.optim import build_optimizer, build_scheduler
+from vitgraph.train.optim import build_optimizer, build_scheduler, freeze_rules
 from vitgraph.train.preempt import Preempted, StopRequests
 from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
 
@@ -154,7 +154,8 @@ class Trainer:
             from vitgraph.convert import init_from
             for chunk in self.chunks:
                 init_from(chunk, cfg.model.init_from, cfg.model.init_format)
-        self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, d)
+        self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, d,
+                                                freeze=freeze_rules(cfg))
         self.optimizer = build_optimizer(self.wrapped, plan, cfg.optim,
                                          cfg.parallel.distributed_optimizer)
         # train.ema: beside the optimizer's fp32 weights (sharded as they are)
@@ -358,7 +359,7 @@ class Trainer:
     def _log_window(self, window: MetricsWindow, health: StepHealth, eta_s: float) -> dict:
         graphs = self.graphs.stats()
         record = window.close(self.step, epoch=self.loader.epoch,
-                              lr=self.optimizer.param_groups[0]["lr"],
+                              lr=self.scheduler.get_lr({}),  # the base (head) lr, any groups
                               skipped_steps=health.read()[0],
                               **{f"graphs_{k}": v for k, v in graphs.items()
                                  if isinstance(v, (int, float))})

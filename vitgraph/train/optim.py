@@ -1,5 +1,10 @@
 """AdamW with warm-up + cosine. GPU: megatron-core's optimizer (bf16 master weights, clipping,
-optionally distributed). CPU: ``CpuOptimizer``, torch AdamW behind the same interface."""
+optionally distributed). CPU: ``CpuOptimizer``, torch AdamW behind the same interface.
+
+Param groups: weight decay on / off, times the layer-wise lr scale (optim.layer_decay), each
+group annealed by megatron's OptimizerParamScheduler between its own ``max_lr`` / ``min_lr``.
+Frozen parameters (model.freeze, task.lock_image: ``freeze``, applied by
+vitgraph.parallel.setup.parallelize before DDP) are in no group."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +21,232 @@ def _no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "registers"))
 
 
+# ------------------------------------------------------------ layer-wise LR decay (BEiT)
+
+# a tower's parameters that come before its first layer (classifier / image tower: patches,
+# class token, registers, positions, CLIP's ln_pre; text tower: token and position embeddings)
+EMBEDDINGS = ("patch_embed", "cls_token", "registers", "pos_embed", "ln_pre", "token_embed")
+
+
+def layer_depths(chunks: list) -> dict[int, tuple[int, int]]:
+    """id(parameter) -> (i, L): its place in its tower, 0 the embeddings, 1..L the encoder
+    layers (megatron's global ``layer_number``, so the same at every pp / vpp layout), L + 1
+    what follows the last layer (final norm, pooling, head). A tower is any module holding a
+    megatron ``TransformerBlock`` as ``decoder`` (the classifier, CLIP's image and text
+    towers), L its config's num_layers. Parameters outside every tower (CLIP's logit scale
+    and bias) are missing: they train at the head's lr."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+    out: dict[int, tuple[int, int]] = {}
+    for chunk in chunks:
+        for tower in chunk.modules():
+            block = getattr(tower, "decoder", None)
+            if not isinstance(block, TransformerBlock):
+                continue
+            depth = block.config.num_layers
+            for name, p in tower.named_parameters():
+                out[id(p)] = (0 if name.split(".")[0] in EMBEDDINGS else depth + 1, depth)
+            for layer in block.modules():
+                if isinstance(layer, BaseTransformerLayer):
+                    for p in layer.parameters():
+                        out[id(p)] = (layer.layer_number, depth)
+    return out
+
+
+def lr_scales(chunks: list, decay: float | None) -> dict[int, float]:
+    """id(parameter) -> its lr multiplier: decay^(L + 1 - i) (``layer_depths``); 1.0 for
+    every parameter without layer decay. Each tower of an image-text pair decays over its
+    own depth (as EVA-CLIP's separate image / text layer decay, here with one rate): both
+    heads at lr, both embeddings at lr x decay^(L + 1) of their tower."""
+    params = [p for c in chunks for p in c.parameters()]
+    if decay is None or decay == 1.0:
+        return {id(p): 1.0 for p in params}
+    depths = layer_depths(chunks)
+    return {id(p): decay ** (depths[id(p)][1] + 1 - depths[id(p)][0]) if id(p) in depths
+            else 1.0 for p in params}
+
+
+def _aligned(keys: list) -> list:
+    """``keys`` (hashable, sortable) united over every rank, sorted: each rank makes the same
+    param groups (empty where it holds none of a group's parameters), as megatron does,
+    because a checkpoint's param groups are common state, one copy for all ranks."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(set(keys)))
+        keys = [k for ks in every for k in ks]
+    return sorted(set(keys))
+
+
+# ------------------------------------------------------------ frozen parameters
+
+def global_names(chunk: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in the whole model: an encoder layer's index is its global
+    one (megatron's ``layer_number`` - 1), so "decoder.layers.0.*" means the first layer at any
+    pp / vpp layout (a later stage's chunk numbers its own layers from 0)."""
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+    out = {id(p): n for n, p in chunk.named_parameters()}
+    for name, m in chunk.named_modules():
+        if isinstance(m, BaseTransformerLayer) and "." in name:
+            prefix = f"{name.rsplit('.', 1)[0]}.{m.layer_number - 1}"
+            for n, p in m.named_parameters():
+                out[id(p)] = f"{prefix}.{n}"
+    return out
+
+
+def freeze_rules(cfg) -> list[tuple[str, str]]:
+    """(config key, fnmatch pattern) pairs of what a run leaves out of training:
+    model.freeze, and task.lock_image's image tower (vitgraph.tasks.contrastive)."""
+    rules = [("model.freeze", pat) for pat in cfg.model.freeze or ()]
+    if cfg.task.lock_image:
+        from vitgraph.tasks.contrastive import IMAGE_TOWER
+        rules.append(("task.lock_image", IMAGE_TOWER))
+    return rules
+
+
+def freeze(chunks: list, rules: list[tuple[str, str]], pp_rank: int = 0, pp: int = 1) -> int:
+    """Set requires_grad=False on every parameter of this rank's (unwrapped) ``chunks`` whose
+    name (``global_names``) matches one of ``rules`` (``freeze_rules``); before DDP wraps
+    them, so megatron's DDP and optimizer (and CpuOptimizer) give them no gradient buffer and
+    no state. Collective (``pp_rank`` / ``pp``: this rank's pipeline stage and their number):
+    a pattern that matches no parameter on any rank, or leaves nothing to train, is a
+    ConfigError; so is, under a pipeline, a first stage with nothing to train (megatron's
+    backward there would start from an output that needs no gradient). Returns the
+    parameters frozen here."""
+    import fnmatch
+
+    from vitgraph.config import ConfigError
+    if not rules:
+        return 0
+    hits, frozen, trainable = [0] * len(rules), 0, [0] * len(chunks)
+    for c, chunk in enumerate(chunks):
+        names = global_names(chunk)
+        for p in chunk.parameters():
+            name = names[id(p)]
+            matched = [i for i, (_, pat) in enumerate(rules) if fnmatch.fnmatchcase(name, pat)]
+            for i in matched:
+                hits[i] += 1
+            if matched:
+                p.requires_grad_(False)
+                frozen += 1
+            elif p.requires_grad:
+                trainable[c] += 1
+    # (matches per rule, trainable here, trainable in the model's first (virtual) stage)
+    mine = (hits, sum(trainable), trainable[0] if pp_rank == 0 else 0, pp_rank == 0)
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    patterns = [pat for _, pat in rules]
+    for i, (key, pat) in enumerate(rules):
+        if not sum(e[0][i] for e in every):
+            what = ("no image-tower parameter" if key == "task.lock_image" else
+                    "no parameter name (`vitgraph params CONFIG` lists them)")
+            raise ConfigError(f"{key}: pattern {pat!r} matches {what}")
+    if not sum(e[1] for e in every):
+        raise ConfigError(f"model.freeze: {patterns} freeze every parameter: nothing is left "
+                          "to train")
+    if pp > 1 and not sum(e[2] for e in every if e[3]):
+        raise ConfigError(f"model.freeze: {patterns} freeze the whole first pipeline stage, "
+                          "whose backward needs a parameter to train: freeze less, or use "
+                          "parallel.pp=1")
+    return frozen
+
+
+FROZEN_FILL = "vitgraph_frozen_fill"
+
+
+def _united(items: set) -> set:
+    """``items`` united over every rank."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(items, key=str))
+        return {x for xs in every for x in xs}
+    return set(items)
+
+
+def frozen_slices(state: dict, model_sharded_state_dict: dict, frozen: set,
+                  weights: bool = False) -> dict:
+    """The sharded tensors that make ``state``'s tensors named after the model's whole.
+
+    The model's checkpoint stacks a block's layers into one tensor per name ("decoder.layers.
+    mlp.linear_fc1.weight", [L, ...]), and an optimizer (or an EMA) names its state after it
+    ("optimizer.state.exp_avg.<that>"). With some layers frozen (ids in ``frozen``) that state
+    has holes, which dist_checkpointing refuses ("Invalid access pattern"). Returned: for each
+    frozen slice of each such state tensor, a ShardedTensor of the same key and place, zeros
+    (``weights``: the frozen parameter itself, what an EMA of it is). Collective: the state
+    prefixes and names are united over the ranks (a rank may hold only frozen slices)."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    model = [t for t in nested_values(model_sharded_state_dict) if isinstance(t, ShardedTensor)]
+    keys = {t.key for t in model}
+    prefixes, trained = {}, set()  # state prefix -> dtype; model keys with state
+    for t in nested_values(state):
+        if not isinstance(t, ShardedTensor):
+            continue
+        parts = t.key.split(".")
+        for i in range(1, len(parts)):  # the longest model key the state key ends with
+            k = ".".join(parts[i:])
+            if k in keys:
+                prefixes[".".join(parts[:i])] = t.dtype
+                trained.add(k)
+                break
+    prefixes = dict(_united(set(prefixes.items())))
+    trained = _united(trained)
+
+    def data(t, dtype):
+        if weights:
+            return t.data.detach().to(dtype).clone()
+        return torch.zeros(t.local_shape, dtype=dtype, device=t.data.device)
+
+    return {f"{pre}.{t.key}/{i}": replace(t, key=f"{pre}.{t.key}", dtype=dtype,
+                                          data=data(t, dtype))
+            for i, t in enumerate(model) if id(t.data) in frozen and t.key in trained
+            for pre, dtype in prefixes.items()}
+
+
+def fill_frozen_slices(optimizer, chunks: list) -> None:
+    """``optimizer``'s checkpoint state made whole where some parameters are frozen
+    (``frozen_slices``): ``sharded_state_dict`` adds zeros for the frozen slices (the frozen
+    parameters still have no state in memory), ``load_state_dict`` drops them again. A no-op
+    where nothing is frozen on any rank."""
+    frozen = {id(p) for c in chunks for p in c.parameters() if not p.requires_grad}
+    if not _united({bool(frozen)}) - {False}:
+        return
+    save, load = optimizer.sharded_state_dict, optimizer.load_state_dict
+
+    def sharded_state_dict(model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        sd = save(model_sharded_state_dict, is_loading=is_loading, **kwargs)
+        fill = frozen_slices(sd, model_sharded_state_dict, frozen)
+        if fill:  # (an empty dict would be common state on some ranks only)
+            sd[FROZEN_FILL] = fill
+        return sd
+
+    def load_state_dict(state_dict):
+        return load({k: v for k, v in state_dict.items() if k != FROZEN_FILL})
+
+    optimizer.sharded_state_dict, optimizer.load_state_dict = sharded_state_dict, load_state_dict
+
+
+def param_groups(chunks: list, o: OptimConfig) -> list[dict]:
+    """The CPU optimizer's param groups, as megatron's ``_get_param_groups`` makes them on GPU
+    from ``build_optimizer``'s overrides: one per (weight decay on / off, lr scale) of the
+    trainable parameters, the same groups on every rank (``_aligned``). ``max_lr`` / ``min_lr``
+    are what OptimizerParamScheduler anneals each group between; ``default_config`` marks the
+    groups at the base lr, as megatron does."""
+    scales = lr_scales(chunks, o.layer_decay)
+    by_key: dict[tuple, list] = {}
+    for c in chunks:
+        for n, p in c.named_parameters():
+            if p.requires_grad:
+                by_key.setdefault((_no_decay(n, p), scales[id(p)]), []).append(p)
+    return [{"params": by_key.get((no_wd, s), []), "wd_mult": 0.0 if no_wd else 1.0,
+             "max_lr": o.lr * s, "min_lr": o.min_lr * s, "lr_scale": s,
+             "default_config": s == 1.0}
+            for no_wd, s in _aligned(list(by_key))]  # decay groups first, as megatron
+
+
 class CpuOptimizer:
     """torch AdamW with megatron's optimizer contract: ``step() -> (ok, grad_norm, None)``.
 
@@ -26,11 +257,9 @@ class CpuOptimizer:
     def __init__(self, chunks: list[torch.nn.Module], o: OptimConfig):
         named = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        decay = [p for n, p in named if not _no_decay(n, p)]
-        no_decay = [p for n, p in named if _no_decay(n, p)]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(param_groups(chunks, o), lr=o.lr,
+                                           betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay)
         self.clip = o.clip_grad
 
     @property
@@ -304,7 +533,9 @@ def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
     the megatron optimizer's ``step`` is replaced by a ``SyncFreeStep`` (its ``load_lr`` is
     called before every step)."""
     if not plan.cuda:
-        return CpuOptimizer(chunks, o)
+        optimizer = CpuOptimizer(chunks, o)
+        fill_frozen_slices(optimizer, chunks)
+        return optimizer
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
     from megatron.core.optimizer_param_scheduler import ParamGroupOverride
@@ -317,9 +548,20 @@ def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
     # the same no-decay set as the CPU path (megatron's default decays pos_embed / tokens)
     no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
         name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))
-    optimizer = get_megatron_optimizer(
-        ocfg, chunks, config_overrides={no_decay: ParamGroupOverride(wd_mult=0.0)})
+    overrides = {no_decay: ParamGroupOverride(wd_mult=0.0)}
+    # layer decay: one key per lr scale, matched by parameter (megatron merges the matches of
+    # a parameter, so each (decay, scale) pair becomes one group, aligned over all ranks)
+    by_scale: dict[float, set] = {}
+    for pid, s in lr_scales(chunks, o.layer_decay).items():
+        by_scale.setdefault(s, set()).add(pid)
+    for s, ids in sorted(by_scale.items()):
+        if s != 1.0:
+            key = ParamKey(with_name_predicate=ParamWithNamePredicate(
+                name=f"vitgraph_lr_scale_{s!r}", fn=lambda p, n, ids=frozenset(ids): id(p) in ids))
+            overrides[key] = ParamGroupOverride(max_lr=o.lr * s, min_lr=o.min_lr * s)
+    optimizer = get_megatron_optimizer(ocfg, chunks, config_overrides=overrides)
     _copy_weights_in_one_kernel(optimizer)
+    fill_frozen_slices(optimizer, chunks)
     if plan.graphs.scope == "step":
         sync_free = SyncFreeStep(optimizer, o.clip_grad)
         optimizer.step, optimizer.load_lr = sync_free.step, sync_free.load_lr
