@@ -669,6 +669,10 @@ def validate(cfg: Config, src: str = "<config>") -> None:
 
     if cfg.data.resolution == "native":
         _validate_native(cfg, arch, err)
+    if cfg.data.resolution == "native" and cfg.data.augment.enabled \
+            and cfg.data.augment.auto == "3augment":  # a pack's ops are per patch: no blur
+        err("data.augment.auto", "3augment", "not with data.resolution=native (gaussian blur "
+            "needs an image's neighbouring patches): set data.augment.auto=none or randaugment")
 
     dt = cfg.train.distill
     if dt.teacher:  # the class count and the weights are checked when the teacher is built
