@@ -230,7 +230,8 @@ def _losses(run_dir):
 def test_short_runs_from_a_timm_teacher_and_from_a_vitgraph_run(tmp_path):
     # a timm teacher (random init), mixup / cutmix on
     m = _train(tmp_path / "timm", 3, "train.distill.teacher=timm:test_vit",
-               "data.augment.enabled=true", "data.augment.mix_prob=1.0")
+               "data.augment.enabled=true", "data.augment.preset=deit",
+               "data.augment.mix_prob=1.0")
     assert m["step"] == 3 and all(math.isfinite(x) for x in _losses(tmp_path / "timm"))
     assert "distilling (soft, weight 0.5, T 1.0) from timm test_vit" in _log(tmp_path / "timm")
 

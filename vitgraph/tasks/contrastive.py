@@ -120,7 +120,8 @@ class ContrastiveTask(Task):
                            seed=self.cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
                            context_length=self.context_length,
                            pad_to=plan.token_padding if plan.pads else None,
-                           init_logit_bias=bias, fused_norm=plan.fused_norm)
+                           init_logit_bias=bias, fused_norm=plan.fused_norm,
+                           drop_path_rate=self.cfg.model.drop_path_rate)
         if self.pack is not None:  # the image tower takes packs (its text tower is as ever)
             model.visual.use_pack(self.pack, "thd", getattr(plan, "pos_interp", "bicubic"))
         v, t = self.arch.vision, self.arch.text

@@ -208,7 +208,15 @@ class WeightEMA:
                 raise RuntimeError(f"train.ema: a parameter of shape {tuple(e.param.shape)} has "
                                    f"no sharded tensor in the model's state dict")
             weights[str(i)] = make_sharded_optimizer_tensor(sh, t, PREFIX)
-        return {"weights": weights, "steps": 0 if is_loading else int(self.count.item())}
+        out = {"weights": weights, "steps": 0 if is_loading else int(self.count.item())}
+        # some layers of a stacked tensor frozen: their slices (the frozen weights, their own
+        # average) make the saved tensor whole. Collective: every rank calls it
+        from vitgraph.train.optim import frozen_slices
+        frozen = {id(t.data) for t in by_param.values() if not t.data.requires_grad}
+        fill = frozen_slices({"weights": weights}, model_sharded, frozen, weights=True)
+        if fill:
+            out["frozen"] = fill
+        return out
 
     def load_sharded(self, state: dict) -> None:
         """What ``dist_checkpointing.load`` returned for ``sharded_state_dict(is_loading=True)``."""
