@@ -96,7 +96,8 @@ def test_frozen_parameters_under_graphs(tmp_path, over):
         from vitgraph.train.optim import global_names
         names = global_names(t.chunks[0])
         frozen = [p for p in t.chunks[0].parameters() if not p.requires_grad]
-        assert len(frozen) == 3 + 12 and all(
+        # patch_embed weight and bias, cls_token, pos_embed; layer 0's 12 TE tensors
+        assert len(frozen) == 4 + 12 and all(
             names[id(p)].startswith(("patch_embed.", "decoder.layers.0.")) or
             names[id(p)] in ("cls_token", "pos_embed") for p in frozen)
         assert all(getattr(p, "main_grad", None) is None for p in frozen)  # no grad buffer
