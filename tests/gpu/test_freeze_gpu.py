@@ -4,33 +4,18 @@ no main_grad, no optimizer state, unchanged weights."""
 import pytest
 import torch
 
-from vitgraph.config import load_config
-
-from conftest import ROOT
+import test_train_gpu as train_gpu
 from test_layer_decay import expected_layer
+from test_train_gpu import batches
 
 pytestmark = pytest.mark.gpu
 
-LAYERS = 2
-BASE = ["data.kind=shapes", "data.num_train=64", "data.num_val=64", "data.render_size=32",
-        f"model.num_layers={LAYERS}", "model.num_classes=10", "train.global_batch_size=8",
-        "train.micro_batch_size=8", "train.steps=1000", "train.tensorboard=false",
-        "train.progress=false", "train.log_every=1000", "train.eval_batch_size=8",
-        "graphs.enabled=false"]
+LAYERS = 2  # test_train_gpu.BASE: model.num_layers=2
 FROZEN = ["patch_embed.*", "cls_token", "pos_embed", "decoder.layers.0.*"]
 
 
 def make_trainer(tmp_path, *over):
-    from vitgraph.train.loop import Trainer
-    cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
-                      [*BASE, f"run.dir={tmp_path}", *over])
-    return Trainer(cfg)
-
-
-def batches(n=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 256, (n, 224, 224, 3), dtype=torch.uint8, generator=g),
-             torch.randint(0, 10, (n,), generator=g))]
+    return train_gpu.make_trainer(tmp_path, "model.num_classes=10", *over)
 
 
 def group_of(optimizer):
