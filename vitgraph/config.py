@@ -176,6 +176,10 @@ class OptimConfig:
     # lr x layer_decay^(L + 1 - i), the embeddings (patches, tokens, positions) at
     # lr x layer_decay^(L + 1); null: one lr for all
     layer_decay: Optional[float] = key(None, above=0, max=1)
+    # the share of the optimizer (fp32 master weights and Adam moments) kept and stepped on
+    # the CPU (megatron-core's optimizer_cpu_offload / optimizer_offload_fraction): for towers
+    # whose optimizer state does not fit on the GPU. 0: all on the GPU
+    offload_fraction: float = key(0.0, min=0, max=1)
 
 
 @dataclass
@@ -208,6 +212,11 @@ class DistillConfig:
     temperature: float = key(1.0, above=0)
 
 
+# megatron-core's selective-recompute modules that a ViT layer has (the rest are MoE / MLA;
+# its layernorm is fused into the linears in the TE spec and in model.fused_norm's layer)
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
 @dataclass
 class TrainConfig:
     global_batch_size: int = key(32, above=0)
@@ -234,6 +243,23 @@ class TrainConfig:
     # a step with a non-finite loss or gradient norm is skipped (weights and optimizer state
     # untouched); this many in a row stop the run with an error
     max_bad_steps: int = key(10, min=1, resume_ok=True)
+    # activation recompute, through megatron-core's TransformerConfig (recompute_granularity):
+    # none | selective (recompute_modules of each layer: megatron's names) | full (whole
+    # layers: their inputs are kept, the rest is recomputed in the backward pass)
+    recompute: str = key("none", choices=("none", "selective", "full"), resume_ok=True)
+    # full: which layers, as megatron's recompute_method: uniform (the stage's layers in
+    # units of recompute_layers, each unit's input kept) | block (the first recompute_layers
+    # of each pipeline stage recomputed, the rest not)
+    recompute_method: str = key("uniform", choices=("uniform", "block"), resume_ok=True)
+    # full: layers per unit (uniform) or recomputed per stage (block); null: 1 (uniform),
+    # every layer of the stage (block)
+    recompute_layers: Optional[int] = key(None, above=0, resume_ok=True)
+    # selective: megatron's recompute_modules. TE's fused attention keeps no score matrix, so
+    # core_attn saves only its output; mlp (fc1 and GELU outputs: 2 x ffn per token) saves most
+    # (null: megatron's default, core_attn)
+    recompute_modules: Optional[list] = key(
+        None, resume_ok=True, check=lambda v, _: all(m in RECOMPUTE_MODULES for m in v),
+        why=f"a list of megatron recompute modules for a ViT layer: {', '.join(RECOMPUTE_MODULES)}")
     ema: EMAConfig = field(default_factory=EMAConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
 
@@ -276,6 +302,11 @@ class ParallelConfig:
     # NCCL user-buffer registration inside CUDA graphs (NCCL_GRAPH_REGISTER); off by default
     # because it has hung tensor-parallel runs with graphs (Megatron-Bridge reports)
     nccl_graph_register: bool = key(False, resume_ok=True)
+    # GPU: megatron-core's fully sharded data parallel (parameters, gradients and optimizer
+    # state sharded over the data-parallel ranks) instead of DDP + the distributed optimizer:
+    # for towers whose weights and optimizer do not fit per GPU. Checkpoints keep the
+    # dist_checkpointing format, so a run resumes across FSDP and DDP layouts
+    fsdp: bool = key(False, resume_ok=True)
 
 
 @dataclass
@@ -590,6 +621,52 @@ def _validate_native(cfg: Config, arch, err) -> None:
             "own: set data.augment.mixup_alpha=0 cutmix_alpha=0")
 
 
+def graph_constraints(cfg: Config) -> dict:
+    """What of the config limits the graph path (vitgraph.graphs.auto.choose_graphs)."""
+    m = cfg.model
+    return dict(recompute=cfg.train.recompute,
+                random_layers=bool(m.drop_path_rate or m.hidden_dropout or m.attention_dropout),
+                offload=cfg.optim.offload_fraction > 0)
+
+
+def _validate_recompute_offload(cfg: Config, graphs: bool, err) -> None:
+    t, m = cfg.train, cfg.model
+    if t.recompute_layers is not None and t.recompute != "full":
+        err("train.recompute_layers", t.recompute_layers,
+            f"counts layers of train.recompute=full (got {t.recompute!r})")
+    if t.recompute_modules is not None and t.recompute != "selective":
+        err("train.recompute_modules", t.recompute_modules,
+            f"names what train.recompute=selective recomputes (got {t.recompute!r})")
+    if t.recompute == "full" and m.fused_norm == "always":
+        # megatron's block checkpoint hands tensors between its units; the fused layer passes
+        # the unsummed residual stream on as a (tensor, tensor) pair
+        err("model.fused_norm", "always", "not with train.recompute=full (use auto or never)")
+    if not graphs:
+        return
+    if t.recompute == "selective" and cfg.graphs.scope == "layer":
+        # megatron checkpoints a module with a reentrant autograd function, whose backward
+        # refuses torch.autograd.grad: the call a layer graph's backward is captured with
+        err("train.recompute", "selective", "not under graphs.scope=layer (megatron's "
+            "checkpoint cannot run inside a captured layer backward): use graphs.scope=step, "
+            "train.recompute=full, or graphs off")
+    if cfg.optim.offload_fraction and cfg.graphs.scope == "step":
+        err("optim.offload_fraction", cfg.optim.offload_fraction, "not under graphs.scope=step: "
+            "the CPU share of the optimizer step cannot run inside a CUDA graph (use "
+            "graphs.scope=layer)")
+    if t.recompute == "none":
+        return
+    rand = {k: v for k, v in (("model.drop_path_rate", m.drop_path_rate),
+                              ("model.hidden_dropout", m.hidden_dropout),
+                              ("model.attention_dropout", m.attention_dropout)) if v}
+    if rand:
+        # under graphs the RNG streams are graph-safe generator states that megatron's
+        # checkpoint cannot rewind: the recomputed masks would differ from the forward's
+        name, value = next(iter(rand.items()))
+        err("train.recompute", t.recompute, f"with {name}={value} under graphs: the recompute "
+            "would draw other random masks than the forward did; use graphs off, or no "
+            "recompute")
+
+
 def validate(cfg: Config, src: str = "<config>") -> None:
     """Every key against its declaration (vitgraph.config_keys), then the rules between keys;
     nothing here depends on the machine or the launch (``check_layout`` takes the world size)."""
@@ -658,6 +735,7 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     if cfg.graphs.pool == "shared" and p.pp > 1:
         err("graphs.pool", "shared", "needs parallel.pp=1: a pipeline schedule replays the layer "
                                      "graphs in another order than they were captured (use auto)")
+    _validate_recompute_offload(cfg, graphs, err)
     if p.sequence_parallel and p.tp == 1:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":

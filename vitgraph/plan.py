@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vitgraph.config import Config, ConfigError, task_kind
+from vitgraph.config import Config, ConfigError, graph_constraints, task_kind
 from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath
 from vitgraph.models.build import token_multiple, use_fused_norm
@@ -43,6 +43,8 @@ class Plan:
     # data.resolution=native: the pack layout of every microbatch (None: fixed resolution)
     pack: PackSpec | None = None
     pos_interp: str = "bicubic"  # how a pack's images resample the position grid
+    # train.recompute as megatron's TransformerConfig takes it (vitgraph.models.build)
+    recompute: "Recompute" = None
 
     @property
     def native(self) -> bool:
@@ -74,6 +76,34 @@ class Plan:
         return "bf16" if self.bf16 else "fp32"
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """train.recompute resolved: megatron-core's recompute_granularity (None: off),
+    recompute_method and recompute_num_layers (full), recompute_modules (selective)."""
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        return self.granularity or "none"
+
+
+def recompute_plan(cfg: Config, d: Dist | None = None) -> Recompute:
+    """train.recompute* for a layout with ``d.pp`` x ``d.vpp`` chunks of the encoder (the
+    config's parallel section without ``d``)."""
+    t = cfg.train
+    if t.recompute == "none":
+        return Recompute()
+    if t.recompute == "selective":
+        return Recompute("selective", modules=tuple(t.recompute_modules or ("core_attn",)))
+    chunks = (d.pp * d.vpp) if d is not None else cfg.parallel.pp * cfg.parallel.vpp
+    per_chunk = resolve_arch(cfg.model).num_layers // chunks
+    n = t.recompute_layers or (1 if t.recompute_method == "uniform" else per_chunk)
+    return Recompute("full", t.recompute_method, min(n, per_chunk))
+
+
 def pack_spec(cfg: Config) -> PackSpec | None:
     """The pack layout of a data.resolution=native run (None at fixed resolution): the
     data.packing keys and the (image) encoder's patch size and prefix tokens (class token and
@@ -98,7 +128,8 @@ def graph_path(cfg: Config, d: Dist) -> GraphPath:
     if d.graphs is not None:
         return d.graphs
     from vitgraph.graphs.auto import choose_graphs
-    return choose_graphs(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe, d.tp)
+    return choose_graphs(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe, d.tp,
+                         **graph_constraints(cfg))
 
 
 def resolve_plan(cfg: Config, d: Dist) -> Plan:
@@ -124,6 +155,6 @@ def resolve_plan(cfg: Config, d: Dist) -> Plan:
                 fp8_recipe=t.fp8_recipe if fp8 else None, micro_batch_size=t.micro_batch_size,
                 sequence_parallel=p.sequence_parallel,
                 sequence_parallel_tp=p.tp if p.sequence_parallel else 1,
-                fused_norm=use_fused_norm(m.fused_norm, fp8, tokens),
+                fused_norm=use_fused_norm(m.fused_norm, fp8, tokens) and t.recompute != "full",
                 graphs=graphs, dp=d.dp, cuda=d.cuda, p2p=p2p, pack=pack,
-                pos_interp=resolve_pos_interp(m))
+                pos_interp=resolve_pos_interp(m), recompute=recompute_plan(cfg, d))

@@ -10,7 +10,11 @@ The fastest path the config allows on this machine, in this order:
    history that TE updates from the host between steps (layer graphs with ``impl: te``); or
    not checked: tensor parallelism (layer graphs matched eager at tp=2 on two H200s; step
    graphs were checked at dp=2 and pp=2 only).
-3. eager -- without CUDA (the CPU path; graphs need a CUDA device).
+3. eager -- without CUDA (the CPU path; graphs need a CUDA device), and where neither scope
+   holds the run: activation recompute with random masks in the layers (graph-safe RNG states
+   are not rewound for the recompute), selective recompute where step graphs are not valid.
+Activation recompute: ``full`` runs under both scopes, ``selective`` under step graphs only;
+an optimizer share on the CPU (``optim.offload_fraction``) rules step graphs out.
 
 An explicit ``graphs.enabled: true | false`` always wins, with ``scope`` and ``impl`` as
 written. Under auto the chooser sets ``scope`` and ``impl``; the section's other keys
@@ -49,8 +53,11 @@ class GraphPath:
 
 
 def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
-                  fp8_recipe: str = "current", tp: int = 1) -> GraphPath:
-    """The path for a run with ``graphs`` on a machine with (``cuda``) or without a GPU."""
+                  fp8_recipe: str = "current", tp: int = 1, *, recompute: str = "none",
+                  random_layers: bool = False, offload: bool = False) -> GraphPath:
+    """The path for a run with ``graphs`` on a machine with (``cuda``) or without a GPU.
+    ``recompute``: train.recompute; ``random_layers``: the layers draw random masks (drop path,
+    dropout); ``offload``: part of the optimizer steps on the CPU (optim.offload_fraction)."""
     if graphs.enabled is True or graphs.enabled is False:
         return GraphPath(graphs, f"graphs.enabled={str(graphs.enabled).lower()} in the config")
 
@@ -60,6 +67,26 @@ def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
     if not cuda:
         return GraphPath(path(enabled=False), "graphs.enabled=auto: no CUDA device (graphs "
                                               "need one), eager")
+    if recompute != "none" and random_layers:
+        return GraphPath(path(enabled=False), f"graphs.enabled=auto: eager: train.recompute="
+                                              f"{recompute} with random masks in the layers (drop "
+                                              f"path, dropout) cannot replay them under graphs")
+    # selective recompute runs only under step graphs (a layer graph's captured backward
+    # cannot hold megatron's checkpoint); a CPU optimizer step cannot be in a step graph
+    layer_ok = recompute != "selective"
+    step_ok = not offload
+    if not (layer_ok or step_ok):
+        return GraphPath(path(enabled=False), "graphs.enabled=auto: eager: selective recompute "
+                                              "needs step graphs, a CPU optimizer share "
+                                              "(optim.offload_fraction) rules them out")
+    if offload:
+        return GraphPath(path(enabled=True, scope="layer"),
+                         "graphs.enabled=auto: per-layer graphs: the optimizer's CPU share "
+                         "(optim.offload_fraction) cannot run inside a whole-step graph")
+    if not layer_ok and (tp > 1 or (precision == "fp8" and fp8_recipe != "current")):
+        return GraphPath(path(enabled=False), "graphs.enabled=auto: eager: selective recompute "
+                                              "needs step graphs, which this run cannot take "
+                                              "(tensor parallelism or FP8 delayed scaling)")
     if precision == "fp8" and fp8_recipe != "current":
         return GraphPath(path(enabled=True, scope="layer", impl="te"),
                          f"graphs.enabled=auto: per-layer graphs (impl te): FP8 with "

@@ -53,6 +53,18 @@ def token_multiple(sequence_parallel_tp: int, fp8: bool, micro_batch_size: int) 
     return multiple
 
 
+def recompute_kwargs(recompute) -> dict:
+    """TransformerConfig's activation-recompute fields from the plan's (vitgraph.plan.Recompute;
+    None: off). Megatron's TransformerBlock and layers then checkpoint themselves, in the
+    same way under every graph scope and pipeline layout."""
+    if recompute is None or recompute.granularity is None:
+        return {}
+    if recompute.granularity == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=list(recompute.modules))
+    return dict(recompute_granularity="full", recompute_method=recompute.method,
+                recompute_num_layers=recompute.num_layers)
+
+
 def transformer_config(plan, model_cfg, d) -> TransformerConfig:
     """megatron-core's TransformerConfig of the plan's (image) encoder on this rank."""
     arch, bf16 = plan.arch, plan.bf16
@@ -77,6 +89,7 @@ def transformer_config(plan, model_cfg, d) -> TransformerConfig:
         fp8_amax_compute_algo="max",
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
+        **recompute_kwargs(getattr(plan, "recompute", None)),
         cuda_graph_scope=[],  # the whole layer: megatron's default, "full", warns it is deprecated
         gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion and d.cuda
         and plan.spec == "te",

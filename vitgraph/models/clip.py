@@ -81,9 +81,12 @@ ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "gelu_tanh": gelu_tanh}
 def tower_config(base: TransformerConfig, *, hidden_size: int, num_layers: int, num_heads: int,
                  ffn_hidden_size: int, activation: str, eps: float) -> TransformerConfig:
     """``base`` (precision, parallel layout, dropout ...) resized for one tower. The fields that
-    TransformerConfig derives from the sizes are cleared so that they are derived again."""
+    TransformerConfig derives from the sizes are cleared so that they are derived again; a
+    count of layers to recompute is capped at the tower's depth."""
+    recompute = base.recompute_num_layers and min(base.recompute_num_layers, num_layers)
     return dataclasses.replace(
-        base, hidden_size=hidden_size, num_layers=num_layers, num_attention_heads=num_heads,
+        base, recompute_num_layers=recompute or None, hidden_size=hidden_size,
+        num_layers=num_layers, num_attention_heads=num_heads,
         ffn_hidden_size=ffn_hidden_size, kv_channels=None, num_query_groups=None,
         moe_ffn_hidden_size=None, init_method=None, output_layer_init_method=None,
         activation_func=ACTIVATIONS[activation], layernorm_epsilon=eps)

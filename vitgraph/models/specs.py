@@ -283,7 +283,11 @@ class ResidualNormLayer(_DropPath, TransformerLayer):
         out, bias = self._dropped(out, bias, None if keep is None else keep[0])
         residual, normed = add_layer_norm(out, residual, bias, mlp_norm.layer_norm_weight,
                                           mlp_norm.layer_norm_bias, eps)
-        out, bias = self._dropped(*self.mlp(normed), None if keep is None else keep[1])
+        # train.recompute=selective with mlp: megatron's TransformerLayer checkpoints its MLP
+        # in the forward this class replaces, so it is done here the same way
+        mlp = self.mlp(normed) if not self.recompute_mlp else \
+            tensor_parallel.checkpoint(self.mlp, False, normed)
+        out, bias = self._dropped(*mlp, None if keep is None else keep[1])
         if self.closes_stream:
             return add(out, residual, bias), None
         # the bias as a tensor of this layer's making: a layer's CUDA graph outputs its own

@@ -5,6 +5,7 @@ megatron-core assumes CUDA in a few places that a ViT training step touches:
 - p2p communication allocates on ``torch.cuda.current_device()`` and calls
   ``torch.cuda.synchronize()``;
 - ``model_parallel_cuda_manual_seed`` seeds CUDA generators and forks CUDA RNG states;
+  activation recompute saves and restores the CUDA generator's state;
 - grad-norm clipping builds its all-reduce buffer with ``device='cuda'`` (we use our own
   ``clip_grad_norm`` instead, see below) and the megatron optimizers hold CUDA tensors;
 - sequence parallel's all-gather buffer (``GlobalMemoryBuffer``) is made on
@@ -112,6 +113,10 @@ def install() -> bool:
     tp_random.get_cuda_rng_tracker = lambda *a, **k: tracker
     tensor_parallel.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker
     tp_random.model_parallel_cuda_manual_seed = _cpu_manual_seed
+    # activation recompute (tensor_parallel.checkpoint) saves and restores the CUDA generator
+    # beside the CPU one; on CPU the CPU generator is the only one
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
     tensor_parallel.model_parallel_cuda_manual_seed = _cpu_manual_seed
     _installed = True
     return True

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from vitgraph.config import Config, ConfigError, check_layout
+from vitgraph.config import Config, ConfigError, check_layout, graph_constraints
 from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.specs import resolve_spec
 from vitgraph.parallel import cpu_shims
@@ -80,7 +80,8 @@ def init_distributed(cfg: Config) -> Dist:
     check_layout(cfg, world)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     p = cfg.parallel
-    path = choose_graphs(cfg.graphs, cuda, cfg.train.precision, cfg.train.fp8_recipe, p.tp)
+    path = choose_graphs(cfg.graphs, cuda, cfg.train.precision, cfg.train.fp8_recipe, p.tp,
+                         **graph_constraints(cfg))
     graphs = path.config
     if cuda:
         check_precision(cfg, local_rank)
