@@ -22,6 +22,8 @@ Systems:
   timm                   timm ViT, autocast bf16, fused torch AdamW
   timm+compile           the same under torch.compile (default mode)
   timm+compile-reduce-overhead   torch.compile(mode="reduce-overhead") (CUDA graphs)
+  timm+compile+checkpointing  timm + torch.compile with timm's grad checkpointing of every
+                         block (set_grad_checkpointing): the peer of --recompute full
   timm+compile+float8    timm + torch.compile with torchao's float8 training (tensorwise
                          scaling): the FP8 peer a user would pick; runs for fp8 precisions
   open_clip[+compile]    for --model clip_vit_b16 / clip_vit_l14: open_clip's CLIP of the same
@@ -94,7 +96,7 @@ PEAK_FLOPS = 790e12
 VITGRAPH_SYSTEMS = {"vitgraph": (None, "layer"), "vitgraph+graphs": ("local", "layer"),
                     "vitgraph+graphs-te": ("te", "layer"), "vitgraph+step-graphs": ("local", "step")}
 TIMM_NAMES = {"vit_l16_224": "vit_large_patch16_224", "vit_b16_224": "vit_base_patch16_224",
-              "vit_h14_224": "vit_huge_patch14_224"}
+              "vit_h14_224": "vit_huge_patch14_224", "vit_g14_224": "vit_giant_patch14_224"}
 # image-text pairs: vitgraph's contrastive step against open_clip's (same geometry and batch)
 OPEN_CLIP_NAMES = {"clip_vit_b16": "ViT-B-16-quickgelu", "clip_vit_l14": "ViT-L-14-quickgelu"}
 VITGRAPH_ONLY = ("siglip_vit_b16",)  # vitgraph rows only: no peer of the same geometry here
@@ -380,9 +382,11 @@ def bench_open_clip(model: str, mb: int, compile_mode: str | None, warmup: int,
 # ---------------------------------------------------------------- timm peers
 
 def bench_timm(model: str, mb: int, compile_mode: str | None, warmup: int, iters: int,
-               num_classes: int, float8: bool = False) -> dict:
+               num_classes: int, float8: bool = False, checkpointing: bool = False) -> dict:
     import timm
     net = timm.create_model(TIMM_NAMES[model], num_classes=num_classes).cuda()
+    if checkpointing:  # timm's activation checkpointing of every block
+        net.set_grad_checkpointing(True)
     if float8:
         # torchao's float8 training (tensorwise scaling) on the Linear layers, as its README
         # recommends: every Linear whose dims are multiples of 16 (not the head)
@@ -936,25 +940,37 @@ def _mcore_version():
         return None
 
 
-def _jobs(args) -> list[tuple[int, str, str, str]]:
-    """(micro-batch, system, precision, input) in run order. vitgraph systems run at every
-    precision, and with --data once more fed from the shards; the bf16 timm peers once per
-    micro-batch, timm+compile+float8 once per micro-batch when an fp8 precision is asked for;
-    peers only in a single-GPU run."""
+def _jobs(args) -> list[tuple[int, str, str, str, str]]:
+    """(micro-batch, system, precision, input, recompute) in run order. vitgraph systems run at
+    every precision and every --recompute, and with --data once more fed from the shards; the
+    bf16 timm peers once per micro-batch, timm+compile+float8 once per micro-batch when an fp8
+    precision is asked for; peers only in a single-GPU run. --system-batches limits a system
+    to its own micro-batches."""
     fp8 = [p for p in args.precisions if p != "bf16"]
+    only = {}
+    for spec in getattr(args, "system_batches", None) or []:
+        name, _, mbs = spec.partition("=")
+        only[name] = {int(x) for x in mbs.split(",")}
     jobs = []
     for mb in args.micro_batches:
         for i, precision in enumerate(args.precisions):
             for system in args.systems:
+                if system in only and mb not in only[system]:
+                    continue
                 if system == "vitgraph+step-graphs" and precision == "fp8-delayed":
                     continue  # a config error: delayed scaling updates from the host
                 if system.startswith(("timm", "open_clip")):
                     first = precision == (fp8[0] if system.endswith("float8") else args.precisions[0])
                     if _world() > 1 or not first or (system.endswith("float8") and not fp8):
                         continue
-                jobs.append((mb, system, precision, "synthetic"))
-                if getattr(args, "data", None) and system.startswith("vitgraph"):
-                    jobs.append((mb, system, precision, input_kind(args.data)))
+                if not system.startswith("vitgraph"):
+                    rc = "full" if system.endswith("checkpointing") else "none"
+                    jobs.append((mb, system, precision, "synthetic", rc))
+                    continue
+                for rc in getattr(args, "recompute", None) or ["none"]:
+                    jobs.append((mb, system, precision, "synthetic", rc))
+                    if getattr(args, "data", None):
+                        jobs.append((mb, system, precision, input_kind(args.data), rc))
     return jobs
 
 
@@ -963,6 +979,12 @@ def main() -> int:
     ap.add_argument("--model", default="vit_l16_224",
                     choices=sorted([*TIMM_NAMES, *OPEN_CLIP_NAMES, *VITGRAPH_ONLY]))
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 256])
+    ap.add_argument("--system-batches", nargs="*", default=[],
+                    help="SYSTEM=MB[,MB...]: run SYSTEM only at these of --micro-batches")
+    ap.add_argument("--recompute", nargs="+", default=["none"],
+                    choices=["none", "selective", "full"],
+                    help="vitgraph rows once per train.recompute (timm+compile+checkpointing "
+                         "is timm's full recompute)")
     ap.add_argument("--systems", nargs="+", default=None,
                     help="default: vitgraph vitgraph+graphs timm timm+compile-reduce-overhead; "
                          "with --native every native system")
@@ -1025,13 +1047,15 @@ def main() -> int:
                                     "timm+compile-reduce-overhead"]
 
     rows = []
-    for mb, system, precision, inputs in _jobs(args):
+    for mb, system, precision, inputs, recompute in _jobs(args):
         t0 = time.time()
         try:
             if system.startswith("vitgraph"):
                 impl, scope = VITGRAPH_SYSTEMS[system]
+                over = [*args.override] + ([f"train.recompute={recompute}"]
+                                           if recompute != "none" else [])
                 res = bench_vitgraph(args.model, mb, impl, precision, args.warmup, args.iters,
-                                     args.num_classes, args.microbatches, args.override, scope,
+                                     args.num_classes, args.microbatches, over, scope,
                                      args.data if inputs != "synthetic" else None)
             elif system.startswith("open_clip"):
                 mode = {"open_clip": None, "open_clip+compile": "default"}[system]
@@ -1039,9 +1063,11 @@ def main() -> int:
             else:
                 mode = {"timm": None, "timm+compile": "default",
                         "timm+compile-reduce-overhead": "reduce-overhead",
-                        "timm+compile+float8": "default"}[system]
+                        "timm+compile+float8": "default",
+                        "timm+compile+checkpointing": "default"}[system]
                 res = bench_timm(args.model, mb, mode, args.warmup, args.iters, args.num_classes,
-                                 float8=system.endswith("float8"))
+                                 float8=system.endswith("float8"),
+                                 checkpointing=system.endswith("checkpointing"))
             err = None
         except Exception as e:
             traceback.print_exc()
@@ -1057,7 +1083,8 @@ def main() -> int:
                "precision": "fp8-tensorwise-torchao" if system.endswith("float8") else
                (precision if system.startswith("vitgraph") else "bf16"),
                "graphs": graphs, "gpus": _world(), "layout": "dp1",
-               "num_classes": args.num_classes, "input": inputs, **res, "error": err,
+               "num_classes": args.num_classes, "input": inputs, "recompute": recompute,
+               **res, "error": err,
                "wall_s": round(time.time() - t0, 1)}
         fpi = res.get("flops_per_image")
         if fpi is None:

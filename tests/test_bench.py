@@ -35,8 +35,25 @@ def test_data_runs_each_vitgraph_row_again_from_shards_and_the_peers_once():
     bench = load_bench()
     jobs = bench._jobs(args)
     assert [j for j in jobs if j[0] == 256] == [
-        (256, "vitgraph+step-graphs", "bf16", "synthetic"),
-        (256, "vitgraph+step-graphs", "bf16", "shards"),
-        (256, "timm+compile", "bf16", "synthetic")]
+        (256, "vitgraph+step-graphs", "bf16", "synthetic", "none"),
+        (256, "vitgraph+step-graphs", "bf16", "shards", "none"),
+        (256, "timm+compile", "bf16", "synthetic", "none")]
     args.data = None
     assert all(j[3] == "synthetic" for j in bench._jobs(args)) and len(bench._jobs(args)) == 4
+
+
+def test_recompute_rows_and_per_system_micro_batches():
+    """--recompute repeats each vitgraph row; timm's checkpointing row is its full recompute;
+    --system-batches keeps a system to its own micro-batches."""
+    args = types.SimpleNamespace(micro_batches=[128, 256], precisions=["bf16"],
+                                 systems=["vitgraph+step-graphs", "timm+compile",
+                                          "timm+compile+checkpointing"],
+                                 recompute=["none", "full"],
+                                 system_batches=["timm+compile=128",
+                                                 "timm+compile+checkpointing=256"])
+    jobs = load_bench()._jobs(args)
+    assert [(j[0], j[1], j[4]) for j in jobs] == [
+        (128, "vitgraph+step-graphs", "none"), (128, "vitgraph+step-graphs", "full"),
+        (128, "timm+compile", "none"),
+        (256, "vitgraph+step-graphs", "none"), (256, "vitgraph+step-graphs", "full"),
+        (256, "timm+compile+checkpointing", "full")]

@@ -176,10 +176,6 @@ class OptimConfig:
     # lr x layer_decay^(L + 1 - i), the embeddings (patches, tokens, positions) at
     # lr x layer_decay^(L + 1); null: one lr for all
     layer_decay: Optional[float] = key(None, above=0, max=1)
-    # the share of the optimizer (fp32 master weights and Adam moments) kept and stepped on
-    # the CPU (megatron-core's optimizer_cpu_offload / optimizer_offload_fraction): for towers
-    # whose optimizer state does not fit on the GPU. 0: all on the GPU
-    offload_fraction: float = key(0.0, min=0, max=1)
 
 
 @dataclass
@@ -302,11 +298,6 @@ class ParallelConfig:
     # NCCL user-buffer registration inside CUDA graphs (NCCL_GRAPH_REGISTER); off by default
     # because it has hung tensor-parallel runs with graphs (Megatron-Bridge reports)
     nccl_graph_register: bool = key(False, resume_ok=True)
-    # GPU: megatron-core's fully sharded data parallel (parameters, gradients and optimizer
-    # state sharded over the data-parallel ranks) instead of DDP + the distributed optimizer:
-    # for towers whose weights and optimizer do not fit per GPU. Checkpoints keep the
-    # dist_checkpointing format, so a run resumes across FSDP and DDP layouts
-    fsdp: bool = key(False, resume_ok=True)
 
 
 @dataclass
@@ -625,11 +616,10 @@ def graph_constraints(cfg: Config) -> dict:
     """What of the config limits the graph path (vitgraph.graphs.auto.choose_graphs)."""
     m = cfg.model
     return dict(recompute=cfg.train.recompute,
-                random_layers=bool(m.drop_path_rate or m.hidden_dropout or m.attention_dropout),
-                offload=cfg.optim.offload_fraction > 0)
+                random_layers=bool(m.drop_path_rate or m.hidden_dropout or m.attention_dropout))
 
 
-def _validate_recompute_offload(cfg: Config, graphs: bool, err) -> None:
+def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
     t, m = cfg.train, cfg.model
     if t.recompute_layers is not None and t.recompute != "full":
         err("train.recompute_layers", t.recompute_layers,
@@ -643,16 +633,12 @@ def _validate_recompute_offload(cfg: Config, graphs: bool, err) -> None:
         err("model.fused_norm", "always", "not with train.recompute=full (use auto or never)")
     if not graphs:
         return
-    if t.recompute == "selective" and cfg.graphs.scope == "layer":
-        # megatron checkpoints a module with a reentrant autograd function, whose backward
-        # refuses torch.autograd.grad: the call a layer graph's backward is captured with
-        err("train.recompute", "selective", "not under graphs.scope=layer (megatron's "
-            "checkpoint cannot run inside a captured layer backward): use graphs.scope=step, "
-            "train.recompute=full, or graphs off")
-    if cfg.optim.offload_fraction and cfg.graphs.scope == "step":
-        err("optim.offload_fraction", cfg.optim.offload_fraction, "not under graphs.scope=step: "
-            "the CPU share of the optimizer step cannot run inside a CUDA graph (use "
-            "graphs.scope=layer)")
+    if t.recompute == "selective":
+        # megatron checkpoints a module with a reentrant autograd function: a layer graph's
+        # backward is captured with torch.autograd.grad, which it refuses, and inside a step
+        # graph it has not been made to work
+        err("train.recompute", "selective", "not under graphs (megatron's module checkpoint "
+            "cannot be captured): use train.recompute=full, or graphs off")
     if t.recompute == "none":
         return
     rand = {k: v for k, v in (("model.drop_path_rate", m.drop_path_rate),
@@ -735,7 +721,7 @@ def validate(cfg: Config, src: str = "<config>") -> None:
     if cfg.graphs.pool == "shared" and p.pp > 1:
         err("graphs.pool", "shared", "needs parallel.pp=1: a pipeline schedule replays the layer "
                                      "graphs in another order than they were captured (use auto)")
-    _validate_recompute_offload(cfg, graphs, err)
+    _validate_recompute(cfg, graphs, err)
     if p.sequence_parallel and p.tp == 1:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":

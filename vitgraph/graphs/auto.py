@@ -12,9 +12,8 @@ The fastest path the config allows on this machine, in this order:
    graphs were checked at dp=2 and pp=2 only).
 3. eager -- without CUDA (the CPU path; graphs need a CUDA device), and where neither scope
    holds the run: activation recompute with random masks in the layers (graph-safe RNG states
-   are not rewound for the recompute), selective recompute where step graphs are not valid.
-Activation recompute: ``full`` runs under both scopes, ``selective`` under step graphs only;
-an optimizer share on the CPU (``optim.offload_fraction``) rules step graphs out.
+   are not rewound for the recompute), and selective recompute.
+Activation recompute: ``full`` runs under both scopes, ``selective`` eagerly only.
 
 An explicit ``graphs.enabled: true | false`` always wins, with ``scope`` and ``impl`` as
 written. Under auto the chooser sets ``scope`` and ``impl``; the section's other keys
@@ -54,10 +53,10 @@ class GraphPath:
 
 def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
                   fp8_recipe: str = "current", tp: int = 1, *, recompute: str = "none",
-                  random_layers: bool = False, offload: bool = False) -> GraphPath:
+                  random_layers: bool = False) -> GraphPath:
     """The path for a run with ``graphs`` on a machine with (``cuda``) or without a GPU.
     ``recompute``: train.recompute; ``random_layers``: the layers draw random masks (drop path,
-    dropout); ``offload``: part of the optimizer steps on the CPU (optim.offload_fraction)."""
+    dropout)."""
     if graphs.enabled is True or graphs.enabled is False:
         return GraphPath(graphs, f"graphs.enabled={str(graphs.enabled).lower()} in the config")
 
@@ -71,22 +70,10 @@ def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
         return GraphPath(path(enabled=False), f"graphs.enabled=auto: eager: train.recompute="
                                               f"{recompute} with random masks in the layers (drop "
                                               f"path, dropout) cannot replay them under graphs")
-    # selective recompute runs only under step graphs (a layer graph's captured backward
-    # cannot hold megatron's checkpoint); a CPU optimizer step cannot be in a step graph
-    layer_ok = recompute != "selective"
-    step_ok = not offload
-    if not (layer_ok or step_ok):
-        return GraphPath(path(enabled=False), "graphs.enabled=auto: eager: selective recompute "
-                                              "needs step graphs, a CPU optimizer share "
-                                              "(optim.offload_fraction) rules them out")
-    if offload:
-        return GraphPath(path(enabled=True, scope="layer"),
-                         "graphs.enabled=auto: per-layer graphs: the optimizer's CPU share "
-                         "(optim.offload_fraction) cannot run inside a whole-step graph")
-    if not layer_ok and (tp > 1 or (precision == "fp8" and fp8_recipe != "current")):
-        return GraphPath(path(enabled=False), "graphs.enabled=auto: eager: selective recompute "
-                                              "needs step graphs, which this run cannot take "
-                                              "(tensor parallelism or FP8 delayed scaling)")
+    if recompute == "selective":
+        return GraphPath(path(enabled=False), "graphs.enabled=auto: eager: megatron's module "
+                                              "checkpoint (train.recompute=selective) cannot be "
+                                              "captured")
     if precision == "fp8" and fp8_recipe != "current":
         return GraphPath(path(enabled=True, scope="layer", impl="te"),
                          f"graphs.enabled=auto: per-layer graphs (impl te): FP8 with "

@@ -38,6 +38,11 @@ MODELS: dict[str, ViTArch] = {
     # vit_so400m_patch16_siglip_256): the image encoder of many VLMs
     "vit_so400m_patch14_224": ViTArch(1152, 27, 16, 4304, 14, 224),
     "vit_so400m_patch16_256": ViTArch(1152, 27, 16, 4304, 16, 256),
+    # big towers (timm vit_giant_patch14_224 / open_clip ViT-bigG-14 / InternViT-6B's geometry);
+    # at these sizes train.recompute decides what fits (vitgraph plan)
+    "vit_giant_patch14_224": ViTArch(1408, 40, 16, 6144, 14, 224),
+    "vit_gigantic_patch14_224": ViTArch(1664, 48, 16, 8192, 14, 224),
+    "vit_6b_patch14_224": ViTArch(3200, 45, 25, 12800, 14, 224),
 }
 
 ALIASES = {
@@ -48,6 +53,9 @@ ALIASES = {
     "vit_s16_224": "vit_small_patch16_224",
     "vit_so400m14_224": "vit_so400m_patch14_224",
     "vit_so400m16_256": "vit_so400m_patch16_256",
+    "vit_g14_224": "vit_giant_patch14_224",
+    "vit_bigG14_224": "vit_gigantic_patch14_224",
+    "vit_6b14_224": "vit_6b_patch14_224",
 }
 
 
