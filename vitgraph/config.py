@@ -612,11 +612,17 @@ def _validate_native(cfg: Config, arch, err) -> None:
             "own: set data.augment.mixup_alpha=0 cutmix_alpha=0")
 
 
+def random_layer_keys(cfg: Config) -> dict:
+    """The model keys that make the encoder layers draw random masks, with their values."""
+    m = cfg.model
+    return {k: v for k, v in (("model.drop_path_rate", m.drop_path_rate),
+                              ("model.hidden_dropout", m.hidden_dropout),
+                              ("model.attention_dropout", m.attention_dropout)) if v}
+
+
 def graph_constraints(cfg: Config) -> dict:
     """What of the config limits the graph path (vitgraph.graphs.auto.choose_graphs)."""
-    m = cfg.model
-    return dict(recompute=cfg.train.recompute,
-                random_layers=bool(m.drop_path_rate or m.hidden_dropout or m.attention_dropout))
+    return dict(recompute=cfg.train.recompute, random_layers=bool(random_layer_keys(cfg)))
 
 
 def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
@@ -641,9 +647,7 @@ def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
             "cannot be captured): use train.recompute=full, or graphs off")
     if t.recompute == "none":
         return
-    rand = {k: v for k, v in (("model.drop_path_rate", m.drop_path_rate),
-                              ("model.hidden_dropout", m.hidden_dropout),
-                              ("model.attention_dropout", m.attention_dropout)) if v}
+    rand = random_layer_keys(cfg)
     if rand:
         # under graphs the RNG streams are graph-safe generator states that megatron's
         # checkpoint cannot rewind: the recomputed masks would differ from the forward's
