@@ -270,3 +270,11 @@ def test_auto_spec_on_a_gpu_without_te_says_so_once(monkeypatch, caplog):
     said = [r for r in caplog.records if "Transformer Engine is not installed" in r.getMessage()]
     assert len(said) == 1
     specs._say_no_te.cache_clear()
+
+
+def test_checkpoint_save_false_writes_no_checkpoint(env, tmp_path):
+    run_dir = tmp_path / "run"
+    run(env, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+        *tiny_overrides(run_dir, steps=3, **{"checkpoint.save": "false", "checkpoint.every": 2}))
+    assert (run_dir / "metrics.json").is_file()
+    assert not any((run_dir / "checkpoints").glob("step_*"))

@@ -327,3 +327,40 @@ def test_the_l16_config_is_the_b16_config_with_its_own_differences():
         ("vit_l16_224", 2, 64, "auto")
     assert l16.train.global_batch_size == 4096 and l16.train.epochs == 300
     assert l16.data.augment.enabled and l16.model.spec == "te"
+
+
+@pytest.mark.parametrize("over,match", [
+    (["parallel.distributed_optimizer=false"], "optim.offload_fraction=0.5.*distributed_optimizer"),
+    (["graphs.enabled=true", "graphs.scope=step"], "optim.offload_fraction=0.5.*graphs.scope=step"),
+    (["train.ema.decay=0.999"], "optim.offload_fraction=0.5.*train.ema"),
+])
+def test_optimizer_offload_names_what_it_cannot_serve(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["optim.offload_fraction=0.5", *over])
+
+
+def test_graphs_auto_takes_layer_graphs_with_an_offloaded_optimizer():
+    from vitgraph.config import graph_constraints
+    from vitgraph.graphs.auto import choose_graphs
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["optim.offload_fraction=0.5"])
+    path = choose_graphs(cfg.graphs, True, **graph_constraints(cfg))
+    assert path.config.enabled and path.config.scope == "layer" and "offload" in path.reason
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml")
+    assert choose_graphs(cfg.graphs, True, **graph_constraints(cfg)).config.scope == "step"
+
+
+def test_a_folder_config_loads_without_its_folder_for_what_reads_no_data():
+    path = ROOT / "configs" / "vit-b16-imagefolder.yaml"
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(path)
+    assert load_config(path, data=False).data.path is None
+
+
+def test_big_tower_configs_carry_a_smoke_command_that_asks_the_loss_to_fall():
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from smoke_configs import smoke_spec
+    for name in ("vit-g14", "vit-bigG14", "vit-6b"):
+        over, ask = smoke_spec(ROOT / "configs" / f"{name}-imagefolder.yaml")
+        assert ask == 0 and "checkpoint.save=false" in over
+    assert smoke_spec(ROOT / "configs" / "vit-b16-imagefolder.yaml")[1] == pytest.approx(0.20)

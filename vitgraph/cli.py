@@ -1,4 +1,4 @@
-"""``vitgraph train|eval|export|params|configs|models|cache`` (also ``python -m vitgraph``,
+"""``vitgraph train|eval|export|params|plan|configs|models|cache`` (also ``python -m vitgraph``,
 and under torchrun)."""
 from __future__ import annotations
 
@@ -60,6 +60,25 @@ def _parser() -> argparse.ArgumentParser:
                                     "and whether model.freeze / task.lock_image freeze it.")
     pa.add_argument("config", help="YAML experiment config")
     pa.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    pl = sub.add_parser("plan", help="GPU memory per stage of a config's layout, the largest "
+                        "micro-batch that fits, and what would fit when it does not",
+                        description="Count, on CPU and before any run, what CONFIG holds on "
+                                    "each GPU of its layout: weights, gradients, optimizer "
+                                    "state (sharded by the distributed optimizer), EMA, "
+                                    "activations of the microbatches in flight (with the "
+                                    "config's train.recompute) and a runtime share; then the "
+                                    "largest micro-batch that fits --gpu-mem, with and "
+                                    "without full recompute, and, when it does not fit, "
+                                    "which of recompute, tp, pp or more data-parallel ranks "
+                                    "would. Exits 1 when it does not fit.")
+    pl.add_argument("config", help="YAML experiment config")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    pl.add_argument("--gpus", type=int, default=None,
+                    help="world size (default: parallel.tp x parallel.pp, i.e. dp 1)")
+    pl.add_argument("--gpu-mem", type=float, default=None,
+                    help="memory per GPU in GiB as torch reports it (default: this machine's "
+                         "GPU, else an H200's 139.8; an H100 has 79.1)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     sub.add_parser("configs", help="list the bundled configs with their header lines")
     sub.add_parser("models", help="list the registered model names")
     ca = sub.add_parser("cache", help="show (or --clear) the generated-dataset cache")
@@ -89,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "params":
         return _params(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "train" and not args.config:
         parser.train_parser.print_help(sys.stderr)
         return 2
@@ -176,29 +197,16 @@ def _params(args) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from vitgraph.config import ConfigError, load_config
     from vitgraph.data import DataError
-    single = ["model.spec=torch", "train.precision=fp32", "graphs.enabled=false",
-              "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
-              "parallel.sequence_parallel=false", "parallel.overlap_p2p_comm=false"]
+    from vitgraph.memory import SINGLE, single_process_chunks
     try:
-        cfg = load_config(args.config, [*args.overrides, *single])
+        cfg = load_config(args.config, [*args.overrides, *SINGLE])
     except ConfigError as e:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
-    from vitgraph.parallel.setup import init_distributed, shutdown
-    from vitgraph.plan import resolve_plan
-    from vitgraph.tasks import make_task
-    from vitgraph.train.optim import _no_decay, freeze, freeze_rules, global_names, lr_scales
+    from vitgraph.parallel.setup import shutdown
+    from vitgraph.train.optim import _no_decay, global_names, lr_scales
     try:
-        d = init_distributed(cfg)
-    except ConfigError as e:
-        print(f"vitgraph: config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        plan = resolve_plan(cfg, d)
-        task = make_task(plan, cfg, d)
-        task.num_classes = cfg.model.num_classes or _class_count(cfg.data)
-        chunks = task.build_model()
-        freeze(chunks, freeze_rules(cfg))
+        chunks, _ = single_process_chunks(cfg, cfg.model.num_classes or _class_count(cfg.data))
         scales = lr_scales(chunks, cfg.optim.layer_decay)
         names = global_names(chunks[0])
         rows = [(names[id(p)], "x".join(map(str, p.shape)) or "scalar", p.numel(),
@@ -220,6 +228,38 @@ def _params(args) -> int:
           f"{len(frozen)} tensors, {sum(r[2] for r in frozen):,} elements; optim.layer_decay="
           f"{cfg.optim.layer_decay}")
     return 0
+
+
+def _plan(args) -> int:
+    """`vitgraph plan`: vitgraph.memory's count for a config (CPU only, nothing trained)."""
+    gpu_mem = args.gpu_mem or _gpu_mem_gib()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the model is built on the meta device, on CPU
+    from vitgraph.config import ConfigError, load_config
+    from vitgraph.memory import report
+    try:
+        gpus = args.gpus or _model_parallel(load_config(args.config, args.overrides, data=False))
+        text, fits = report(args.config, args.overrides, gpus, gpu_mem, as_json=args.json)
+    except ConfigError as e:
+        print(f"vitgraph: config error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0 if fits else 1
+
+
+def _gpu_mem_gib() -> float:
+    """The first GPU's memory by nvidia-smi (torch would take the GPU), else an H200's."""
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi"):
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                            "nounits"], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.split():
+            return int(r.stdout.split()[0]) / 1024
+    return 139.8
+
+
+def _model_parallel(cfg) -> int:
+    return cfg.parallel.tp * cfg.parallel.pp
 
 
 def _configs() -> int:

@@ -176,6 +176,10 @@ class OptimConfig:
     # lr x layer_decay^(L + 1 - i), the embeddings (patches, tokens, positions) at
     # lr x layer_decay^(L + 1); null: one lr for all
     layer_decay: Optional[float] = key(None, above=0, max=1)
+    # GPU, distributed optimizer: the share of the optimizer's state (fp32 master weights and
+    # Adam moments) kept, and stepped, on the CPU (megatron's optimizer_cpu_offload /
+    # optimizer_offload_fraction); the step then leaves the GPU, so not under graphs.scope=step
+    offload_fraction: float = key(0.0, min=0, max=1)
 
 
 @dataclass
@@ -340,6 +344,9 @@ class CheckpointConfig:
     keep: int = key(2, min=1, resume_ok=True)  # newest checkpoints kept
     # resume from the run directory's latest checkpoint
     resume: bool = key(True, resume_ok=True)
+    # false: no checkpoint is written, at the end or on a stop signal (smoke runs and
+    # benchmarks of towers whose state is tens of GB: ViT-6B's is 77 GB)
+    save: bool = key(True, resume_ok=True)
 
 
 @dataclass
@@ -375,9 +382,11 @@ def may_change_on_resume(dotted: str) -> bool:
 
 # ---------------------------------------------------------------- loading and overrides
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
+                data: bool = True) -> Config:
     """Read YAML (merged over its ``base:`` files), apply ``key.sub=value`` overrides,
-    validate what needs no process group.
+    validate what needs no process group. ``data=False``: data.path need not exist (for what
+    reads no data: ``vitgraph plan``).
 
     A file may say ``base: other.yaml`` (a path relative to the file; the base may have a
     base of its own): its sections are merged over the base's key by key, mappings merged,
@@ -400,7 +409,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if dotted in ("train.steps", "train.epochs"):
             _replace_duration(raw, {dotted.split(".")[1]})
     cfg = _build(Config, raw, src, prefix="")
-    validate(cfg, src)
+    validate(cfg, src, data)
     return cfg
 
 
@@ -622,7 +631,8 @@ def random_layer_keys(cfg: Config) -> dict:
 
 def graph_constraints(cfg: Config) -> dict:
     """What of the config limits the graph path (vitgraph.graphs.auto.choose_graphs)."""
-    return dict(recompute=cfg.train.recompute, random_layers=bool(random_layer_keys(cfg)))
+    return dict(recompute=cfg.train.recompute, random_layers=bool(random_layer_keys(cfg)),
+                host_optimizer=cfg.optim.offload_fraction > 0)
 
 
 def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
@@ -657,7 +667,7 @@ def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
             "recompute")
 
 
-def validate(cfg: Config, src: str = "<config>") -> None:
+def validate(cfg: Config, src: str = "<config>", data: bool = True) -> None:
     """Every key against its declaration (vitgraph.config_keys), then the rules between keys;
     nothing here depends on the machine or the launch (``check_layout`` takes the world size)."""
     from vitgraph.models.registry import CLIP_MODELS, resolve_arch
@@ -726,6 +736,17 @@ def validate(cfg: Config, src: str = "<config>") -> None:
         err("graphs.pool", "shared", "needs parallel.pp=1: a pipeline schedule replays the layer "
                                      "graphs in another order than they were captured (use auto)")
     _validate_recompute(cfg, graphs, err)
+    if cfg.optim.offload_fraction:
+        if not p.distributed_optimizer:
+            err("optim.offload_fraction", cfg.optim.offload_fraction, "megatron offloads the "
+                "distributed optimizer's state: needs parallel.distributed_optimizer=true")
+        if graphs and cfg.graphs.scope == "step":
+            err("optim.offload_fraction", cfg.optim.offload_fraction, "not under graphs.scope="
+                "step: the CPU part of the optimizer step cannot be captured (graphs.scope="
+                "layer, or graphs.enabled=auto, which picks it)")
+        if t.ema.decay is not None:
+            err("optim.offload_fraction", cfg.optim.offload_fraction, "not with train.ema: the "
+                "EMA follows the fp32 master weights, which megatron's CPU optimizer keeps")
     if p.sequence_parallel and p.tp == 1:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":
@@ -778,6 +799,8 @@ def validate(cfg: Config, src: str = "<config>") -> None:
             "(e.g. 0.9998) too")
 
     d = cfg.data
+    if not data:
+        return
     if d.kind == "imagefolder":
         if not d.path:
             err("data.path", d.path, "data.kind=imagefolder needs data.path (a folder with train/ and val/)")

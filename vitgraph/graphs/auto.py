@@ -53,10 +53,11 @@ class GraphPath:
 
 def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
                   fp8_recipe: str = "current", tp: int = 1, *, recompute: str = "none",
-                  random_layers: bool = False) -> GraphPath:
+                  random_layers: bool = False, host_optimizer: bool = False) -> GraphPath:
     """The path for a run with ``graphs`` on a machine with (``cuda``) or without a GPU.
     ``recompute``: train.recompute; ``random_layers``: the layers draw random masks (drop path,
-    dropout)."""
+    dropout); ``host_optimizer``: part of the optimizer steps on the CPU
+    (optim.offload_fraction)."""
     if graphs.enabled is True or graphs.enabled is False:
         return GraphPath(graphs, f"graphs.enabled={str(graphs.enabled).lower()} in the config")
 
@@ -79,6 +80,10 @@ def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
                          f"graphs.enabled=auto: per-layer graphs (impl te): FP8 with "
                          f"{fp8_recipe} scaling updates its amax history from the host between "
                          f"steps, which a whole-step graph cannot hold")
+    if host_optimizer:
+        return GraphPath(path(enabled=True, scope="layer"),
+                         "graphs.enabled=auto: per-layer graphs: the optimizer steps partly on "
+                         "the CPU (optim.offload_fraction), which a whole-step graph cannot hold")
     if tp > 1:
         return GraphPath(path(enabled=True, scope="layer"),
                          f"graphs.enabled=auto: per-layer graphs: whole-step graphs are not "

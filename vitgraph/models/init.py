@@ -92,6 +92,8 @@ def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: i
                  prefix: str = "") -> None:
     """Fill every parameter of ``model`` (one chunk) from (seed, global name); see above.
     ``prefix``: the model's place in a larger one (``visual.``), part of the seeding name."""
+    if any(p.is_meta for p in model.parameters()):
+        return  # built on the meta device to count its parameters (vitgraph.memory): no data
     names = global_names(model)
     std = model.config.init_method_std
     layers = model.config.num_layers
@@ -123,6 +125,8 @@ def init_clip_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0,
     init_weights(model.visual, seed, tp_rank, tp_size, prefix="visual.")
     init_weights(model.text, seed, tp_rank, tp_size, prefix="text.")
     for name, p in model.named_parameters(recurse=False):
+        if p.is_meta:
+            continue
         if name == "logit_scale":
             p.fill_(model.init_logit_scale)
         elif name == "logit_bias":

@@ -281,6 +281,9 @@ class Trainer:
                 "loader": self.loader.state_dict(), **extra}
 
     def save(self) -> None:
+        if not self.cfg.checkpoint.save:
+            log.info("checkpoint: none saved at step %d (checkpoint.save=false)", self.step)
+            return
         path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
                                self.cfg.checkpoint.keep)
         self._saved_step = self.step
@@ -385,7 +388,8 @@ class Trainer:
         record = record or self.records.last_train_record()  # a run stopped after its save
         metrics = {"step": self.step, **evals,
                    **{k: record[k] for k in ("loss", "train_top1", "images_per_s", "mfu",
-                                             "peak_mem_gib", "skipped_steps") if k in record},
+                                             "peak_mem_gib", "peak_reserved_gib", "skipped_steps")
+                                             if k in record},
                    "wall_s_this_process": wall, "model": self.cfg.model.name,
                    "run_dir": str(self.run_dir), "total_steps": self.total_steps,
                    "steps_per_epoch": self.loader.steps_per_epoch}

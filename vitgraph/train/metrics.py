@@ -153,6 +153,10 @@ class MetricsWindow:
         if self.peak_flops:
             record["mfu"] = tflops * 1e12 / self.peak_flops
         record.update(peak_mem_gib=peak_mem_gib(self.device), **extra)
+        if self.device.type == "cuda":
+            # what the caching allocator holds (graph pools included): what `vitgraph plan`
+            # predicts and what runs out first
+            record["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         self._clear()
         return record
 

@@ -544,7 +544,12 @@ def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
         bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=distributed)
+        use_distributed_optimizer=distributed,
+        # optim.offload_fraction: megatron's HybridDeviceOptimizer steps that share of the
+        # state on the CPU; it keeps the master weights itself (the precision-aware path)
+        **(dict(optimizer_cpu_offload=True, optimizer_offload_fraction=o.offload_fraction,
+                use_precision_aware_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True)
+           if o.offload_fraction else {}))
     # the same no-decay set as the CPU path (megatron's default decays pos_embed / tokens)
     no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
         name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))

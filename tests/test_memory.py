@@ -1,0 +1,150 @@
+"""vitgraph plan (vitgraph.memory): the parameter count of the meta-device build is the real
+model's, the per-GPU terms follow the layout (dp shards the optimizer, tp splits the matrices,
+pp splits the layers and holds microbatches in flight), recompute drops what it should, the
+largest micro-batch is the edge of the budget, and the CLI says what does not fit and what
+would."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vitgraph.memory import (GIB, Layout, in_flight, largest_micro_batch, layer_bytes_per_token,
+                             model_of, plan_memory)
+from vitgraph.plan import Recompute
+
+from conftest import ROOT, clean_env
+
+TINY = ROOT / "configs" / "vit-tiny-shapes.yaml"
+G14 = ROOT / "configs" / "vit-g14-imagefolder.yaml"
+
+
+def _cfg(path, *over):
+    from vitgraph.config import load_config
+    return load_config(path, list(over), data=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return model_of(TINY, ["model.spec=torch"])
+
+
+@pytest.fixture(scope="module")
+def g14():
+    return model_of(G14, [])
+
+
+def test_meta_count_is_the_built_models(tiny):
+    from vitgraph.config import load_config
+    from vitgraph.memory import SINGLE, single_process_chunks
+    from vitgraph.parallel.setup import shutdown
+    cfg = load_config(TINY, ["model.spec=torch", *SINGLE])
+    cfg.train.global_batch_size = cfg.train.micro_batch_size
+    try:
+        chunks, _ = single_process_chunks(cfg, 1000)
+        real = [(p.numel(), p.requires_grad) for p in chunks[0].parameters()]
+    finally:
+        shutdown()
+    assert [(q.numel, q.trainable) for q in tiny.params] == real
+    assert sum(q.layer is not None for q in tiny.params) == 4 * 12  # 4 layers x 12 tensors
+
+
+def test_g14_has_its_registry_size(g14):
+    assert sum(q.numel for q in g14.params) == pytest.approx(1.0126e9, rel=1e-3)
+    assert g14.num_layers == 40 and g14.stacks[0].tokens == 257
+
+
+def test_static_terms_follow_the_layout(g14):
+    cfg = _cfg(G14, "train.global_batch_size=1024")
+    one = plan_memory(cfg, g14, Layout()).stages[0]
+    n = sum(q.numel for q in g14.params)
+    assert one.params == n and one.weights == 2 * n and one.grads == 4 * n
+    assert one.optimizer == pytest.approx(12 * n, rel=1e-6)
+    dp8 = plan_memory(cfg, g14, Layout(dp=8)).stages[0]
+    assert dp8.optimizer == pytest.approx(one.optimizer / 8, rel=1e-6)
+    assert dp8.weights == one.weights and dp8.grads == one.grads
+    plain = plan_memory(cfg, g14, Layout(dp=8, distributed_optimizer=False)).stages[0]
+    assert plain.optimizer == one.optimizer
+    tp2 = plan_memory(cfg, g14, Layout(tp=2)).stages[0]
+    assert 0.5 * n < tp2.params < 0.51 * n  # norms, biases of row-parallel layers, embeddings
+    pp2 = plan_memory(cfg, g14, Layout(pp=2)).stages
+    assert pp2[0].params + pp2[1].params == n
+    assert abs(pp2[0].params - pp2[1].params) < 0.01 * n
+    off = plan_memory(_cfg(G14, "train.global_batch_size=1024", "optim.offload_fraction=0.5",
+                           "graphs.enabled=auto"), g14, Layout()).stages[0]
+    assert off.optimizer == pytest.approx(one.optimizer / 2, rel=1e-6)
+    ema = plan_memory(_cfg(G14, "train.global_batch_size=1024", "train.ema.decay=0.999"),
+                      g14, Layout(dp=4)).stages[0]
+    assert ema.ema == pytest.approx(4 * n / 4, rel=1e-6)
+
+
+def test_activations_scale_with_the_tokens_and_recompute(g14):
+    cfg = _cfg(G14)
+    s = g14.stacks[0]
+    per_layer = layer_bytes_per_token(s, 1, False, False)
+    assert per_layer == 16 * 1408 + 4 * 6144 + 16 + 4 * 16
+    a128 = plan_memory(cfg, g14, Layout(), 128).stages[0].activations
+    a64 = plan_memory(cfg, g14, Layout(), 64).stages[0].activations
+    assert a128 == pytest.approx(2 * a64, rel=0.01)
+    assert a128 == pytest.approx(40 * per_layer * 128 * 257, rel=0.02)
+    full = plan_memory(cfg, g14, Layout(), 128, Recompute("full", "uniform", 1)).stages[0]
+    assert full.activations < 0.08 * a128  # the residual stream of each layer, + the embedding
+    two = plan_memory(cfg, g14, Layout(), 128, Recompute("full", "uniform", 2)).stages[0]
+    assert two.activations < full.activations and two.working > full.working
+    block = plan_memory(cfg, g14, Layout(), 128, Recompute("full", "block", 20)).stages[0]
+    assert full.activations < block.activations < a128
+    mlp = plan_memory(cfg, g14, Layout(), 128, Recompute("selective", modules=("mlp",))).stages[0]
+    assert mlp.activations < 0.6 * a128
+    attn = plan_memory(cfg, g14, Layout(), 128,
+                       Recompute("selective", modules=("core_attn",))).stages[0]
+    assert attn.activations == a128  # flash attention keeps no per-pair tensors to drop
+    sp = plan_memory(_cfg(G14, "parallel.tp=2", "parallel.sequence_parallel=true"), g14,
+                     Layout(tp=2, sequence_parallel=True), 128).stages[0].activations
+    tp = plan_memory(_cfg(G14, "parallel.tp=2"), g14, Layout(tp=2), 128).stages[0].activations
+    assert sp < tp < a128
+
+
+def test_pipeline_stages_hold_their_microbatches_in_flight():
+    assert [in_flight(Layout(pp=4), s, 16) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight(Layout(pp=4), 0, 2) == 2
+    # interleaved: (pp - stage - 1) x 2 + (vpp - 1) x pp warm-up chunk-forwards, + 1
+    assert in_flight(Layout(pp=2, vpp=2), 0, 8) == 5 and in_flight(Layout(pp=2, vpp=2), 1, 8) == 3
+
+
+def test_largest_micro_batch_is_the_edge_of_the_budget(g14):
+    cfg = _cfg(G14)
+    budget = 80 * GIB
+    mb = largest_micro_batch(cfg, g14, Layout(), budget)
+    assert plan_memory(cfg, g14, Layout(), mb).peak <= budget
+    assert plan_memory(cfg, g14, Layout(), mb + 1).peak > budget
+    assert largest_micro_batch(cfg, g14, Layout(), 10 * GIB) == 0  # the weights alone: 17 GiB
+
+
+def _plan(*args):
+    # a process of its own world (this one's may have set torchrun's variables)
+    return subprocess.run([sys.executable, "-m", "vitgraph", "plan", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=clean_env())
+
+
+def test_cli_says_what_would_fit():
+    r = _plan(ROOT / "configs" / "vit-6b-imagefolder.yaml", "train.recompute=none",
+              "--gpu-mem", "80")
+    assert r.returncode == 1, r.stderr
+    assert "DOES NOT FIT" in r.stdout
+    would = r.stdout.split("would fit: ")[1]
+    assert "train.recompute" not in would  # the weights and optimizer alone do not fit 80 GiB
+    # 25 heads: tp 5 is the smallest that splits them; 45 layers: pp 3
+    assert "parallel.tp=5" in would and "parallel.pp=3" in would and "data-parallel ranks" in would
+
+
+def test_cli_json_of_a_folder_config_needs_no_folder():
+    r = _plan(G14, "--gpus", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    assert j["layout"]["dp"] == 8 and j["fits"] and j["graphs"] == "step"
+    assert j["largest_micro_batch"] > 128 and j["stages"][0]["params"] == j["parameters"]
+
+
+def test_cli_names_a_bad_layout():
+    r = _plan(G14, "parallel.tp=3", "--gpus", "8")
+    assert r.returncode == 2 and "parallel.tp" in r.stderr

@@ -1,0 +1,454 @@
+"""``vitgraph plan``: what a config's run holds on each GPU of its layout, before it runs.
+
+Parameters are counted exactly, from the config's own model built on the meta device (one
+process, tp = pp = 1; tensor-parallel and pipeline shares follow from each parameter's
+megatron attributes and layer index). The rest is counted from the layout:
+
+* weights (bf16 or fp32), megatron DDP's gradient buffer (fp32 with
+  parallel.grad_reduce_in_fp32), the optimizer's fp32 master weights and Adam moments
+  (sharded over dp by the distributed optimizer; the offloaded share off the GPU),
+  train.ema's fp32 copy (sharded as the optimizer is);
+* activations: what autograd keeps per encoder layer and token (TE's layers, flash
+  attention: no per-pair terms) times the microbatches in flight on the stage (1F1B:
+  pp - stage; interleaved: megatron's warm-up count), less what train.recompute drops, plus
+  the transient working set of one layer's backward (and of one recomputed unit);
+* a runtime term (cuBLAS / cuDNN / TE workspaces, NCCL, the caching allocator's slack).
+
+The total is what ``torch.cuda.max_memory_reserved`` reaches (the logs' ``peak_reserved_gib``);
+the CUDA context (~0.5 GiB) comes on top and is left for ``--gpu-mem``'s check. The per-token
+figures were checked against the H200 (scripts/plan_check.py: every bundled GPU config
+within 10% of its measured peak).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+
+GIB = 2 ** 30
+# outside what is counted per tensor: workspaces, communicator buffers, allocator slack
+RUNTIME_BYTES = int(1.0 * GIB)
+# reserved over counted tensors: the caching allocator's rounding and fragmentation
+SLACK = 1.03
+# one layer's backward: its gradient temporaries, as a share of what the layer keeps
+BACKWARD_WORKING = 0.7
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def name(self) -> str:
+        s = f"tp{self.tp} pp{self.pp}" + (f" vpp{self.vpp}" if self.vpp > 1 else "")
+        return s + f" dp{self.dp}" + (" sp" if self.sequence_parallel else "")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One encoder stack, as activations see it: ``tokens`` per sample (padding included)."""
+    name: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Param:
+    numel: int
+    split: bool  # tensor-parallel: each tp rank holds numel / tp
+    trainable: bool
+    layer: int | None  # the encoder layer it belongs to (None: embedding or head side)
+    first: bool  # outside the layers: on the first pipeline stage (else the last)
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the plan needs of a config's model: its parameters and its encoder stacks."""
+    params: tuple
+    stacks: tuple
+    num_layers: int  # layers of the (pipelined) image encoder
+    image_bytes: int  # one input image on the device, bytes (a pack's pixels: per token)
+
+
+@dataclass
+class Stage:
+    stage: int
+    params: int
+    trainable: int
+    weights: int
+    grads: int
+    optimizer: int
+    ema: int
+    activations: int  # kept over the microbatches in flight
+    in_flight: int
+    working: int  # transient: one layer's backward (and one recomputed unit)
+    runtime: int = RUNTIME_BYTES
+
+    @property
+    def total(self) -> int:
+        counted = (self.weights + self.grads + self.optimizer + self.ema + self.activations
+                   + self.working)
+        return int(counted * SLACK) + self.runtime
+
+
+@dataclass
+class MemoryPlan:
+    layout: Layout
+    micro_batch: int
+    microbatches: int  # per step and data-parallel rank
+    recompute: str
+    graphs: str
+    precision: str
+    stages: list = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(s.total for s in self.stages)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak / GIB
+
+
+def _stacks(cfg, plan) -> tuple:
+    from vitgraph.models.vit import sequence_length
+    from vitgraph.config import task_kind
+    a = plan.arch
+    if plan.pack is not None:
+        tokens = plan.pack.tokens
+    else:
+        tokens = (sequence_length(a, plan.pair.class_token) if plan.pair is not None
+                  else sequence_length(a, cfg.model.class_token, cfg.model.num_registers))
+    stacks = [Stack("image", a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads, tokens)]
+    if task_kind(cfg) == "contrastive" and plan.pair is not None:
+        t = plan.pair.text
+        stacks.append(Stack("text", t.num_layers, t.hidden_size, t.ffn_hidden_size, t.num_heads,
+                            t.context_length))
+    return tuple(stacks)
+
+
+# one CPU process, the model as training builds it at tp = pp = 1 (its names are the global ones)
+SINGLE = ["model.spec=torch", "train.precision=fp32", "graphs.enabled=false", "parallel.tp=1",
+          "parallel.pp=1", "parallel.vpp=1", "parallel.sequence_parallel=false",
+          "parallel.overlap_p2p_comm=false", "train.recompute=none"]
+
+
+def single_process_chunks(single, num_classes: int | None = None, meta: bool = False):
+    """The model of ``single`` (a config loaded with SINGLE's overrides last) as one CPU
+    process builds it, with model.freeze / task.lock_image applied: ``(chunks, plan)``.
+    ``meta``: on the meta device (no memory, no initialisation: for counting). The caller
+    shuts the process group down (vitgraph.parallel.setup.shutdown)."""
+    import torch
+
+    from vitgraph.parallel.setup import init_distributed
+    from vitgraph.plan import resolve_plan
+    from vitgraph.tasks import make_task
+    from vitgraph.train.optim import freeze, freeze_rules
+    d = init_distributed(single)
+    plan = resolve_plan(single, d)
+    task = make_task(plan, single, d)
+    task.num_classes = single.model.num_classes or num_classes or 1000
+    if meta:
+        with torch.device("meta"):
+            chunks = task.build_model()
+    else:
+        chunks = task.build_model()
+    freeze(chunks, freeze_rules(single))
+    return chunks, plan
+
+
+def model_of(path, overrides=()) -> Model:
+    """Count the parameters of the config at ``path`` with ``overrides`` on the meta device
+    (no data read: a classifier without model.num_classes gets a 1000-class head, a rounding
+    error of the total)."""
+    import re
+
+    from vitgraph.parallel.setup import shutdown
+    from vitgraph.train.optim import global_names
+    from vitgraph.config import load_config
+    single = load_config(path, [*overrides, *SINGLE], data=False)
+    # one process: the step's batch is one micro-batch (nothing is trained)
+    single.train.global_batch_size = single.train.micro_batch_size
+    chunks, plan = single_process_chunks(single, meta=True)
+    try:
+        names = global_names(chunks[0])
+        params = []
+        for p in chunks[0].parameters():
+            name = names[id(p)]
+            m = re.search(r"(?:^|\.)decoder\.layers\.(\d+)\.", name)
+            image_layer = m is not None and not name.startswith("text.")
+            params.append(Param(
+                numel=p.numel(), split=bool(getattr(p, "tensor_model_parallel", False)),
+                trainable=p.requires_grad, layer=int(m.group(1)) if image_layer else None,
+                first=not image_layer and _embedding_side(name)))
+        stacks = _stacks(single, plan)
+    finally:
+        shutdown()
+    c = 3 * (plan.arch.patch_size ** 2 if plan.pack is not None else plan.arch.image_size ** 2)
+    return Model(tuple(params), stacks, plan.arch.num_layers, image_bytes=4 * c)
+
+
+def _embedding_side(name: str) -> bool:
+    base = name.split(".", 1)[1] if name.startswith("visual.") else name
+    return base.split(".")[0] in ("cls_token", "pos_embed", "patch_embed", "registers", "ln_pre")
+
+
+def layer_bytes_per_token(s: Stack, tp: int, sp: bool, fp8: bool) -> float:
+    """What autograd keeps of one encoder layer per token, bf16 (TE's fused norm + linear
+    layers and flash attention): the norms' inputs and outputs (8 h, split over tp only under
+    sequence parallel), q, k, v and the attention output (8 h), the MLP's pre- and
+    post-activation (4 f), fp32 norm statistics and the attention's softmax statistics. FP8
+    keeps the GEMMs' inputs in one byte (both norm outputs, the projection's and fc2's
+    inputs)."""
+    h, f = s.hidden, s.ffn
+    norm = 8 * h + 16 - (2 * h if fp8 else 0)
+    split = 8 * h + 4 * f - ((h + f) if fp8 else 0) + 4 * s.heads
+    return split / tp + norm / (tp if sp else 1)
+
+
+def checkpoint_bytes_per_token(s: Stack, tp: int, sp: bool) -> float:
+    """A checkpointed unit keeps its input only: the residual stream, bf16."""
+    return 2 * s.hidden / (tp if sp else 1)
+
+
+def in_flight(layout: Layout, stage: int, microbatches: int) -> int:
+    """Chunk-microbatches whose activations a pipeline stage holds at once (megatron's
+    schedules: 1F1B warms up pp - stage - 1 forwards; interleaved (pp - stage - 1) x 2 +
+    (vpp - 1) x pp, each holding one chunk's layers)."""
+    if layout.pp == 1:
+        return 1
+    if layout.vpp == 1:
+        return min(layout.pp - stage, microbatches)
+    warm = (layout.pp - stage - 1) * 2 + (layout.vpp - 1) * layout.pp
+    return min(warm + 1, microbatches * layout.vpp)
+
+
+def _stack_activations(s: Stack, layers: int, tokens: int, layout: Layout, fp8: bool,
+                       recompute) -> tuple[int, int]:
+    """(kept per microbatch, transient working set) of ``layers`` layers of ``s``."""
+    sp = layout.sequence_parallel
+    full = layer_bytes_per_token(s, layout.tp, sp, fp8) * tokens
+    ckpt = checkpoint_bytes_per_token(s, layout.tp, sp) * tokens
+    working = BACKWARD_WORKING * full
+    g = recompute.granularity if recompute is not None else None
+    if g == "full":
+        n = min(recompute.num_layers or 1, layers)
+        if recompute.method == "uniform":
+            units = math.ceil(layers / n)
+            return int(units * ckpt), int(working + min(n, layers) * full)
+        return int(n * ckpt + (layers - n) * full), int(working + full)
+    kept = layers * full
+    if g == "selective" and "mlp" in (recompute.modules or ()):
+        # the MLP keeps its input only (the norm's input is kept anyway): its norm output and
+        # both activations of the MLP go
+        h, f = s.hidden, s.ffn
+        mlp = ((2 * h) / (layout.tp if sp else 1) + 4 * f / layout.tp) * tokens
+        kept -= layers * mlp
+        working += mlp
+    # core_attn: flash attention keeps no per-pair tensors, so recomputing it drops nothing
+    return int(kept), int(working)
+
+
+def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = None,
+                recompute=None, offload_fraction: float | None = None) -> MemoryPlan:
+    """The memory of each pipeline stage (the first GPU of each, tp ranks being alike) at
+    ``layout`` with ``micro_batch`` (default: train.micro_batch_size) and ``recompute``
+    (a vitgraph.plan.Recompute; default: the config's)."""
+    from vitgraph.config import graph_constraints
+    from vitgraph.graphs.auto import choose_graphs
+    from vitgraph.models.build import token_multiple
+    from vitgraph.plan import recompute_plan
+    t, p = cfg.train, cfg.parallel
+    mb = micro_batch or t.micro_batch_size
+    fp8 = t.precision == "fp8"
+    bf16 = t.precision in ("bf16", "fp8")
+    if recompute is None:
+        recompute = recompute_plan(cfg, _chunks(layout))
+    offload = t_offload(cfg) if offload_fraction is None else offload_fraction
+    microbatches = max(1, t.global_batch_size // (mb * layout.dp))
+    graphs = choose_graphs(cfg.graphs, True, t.precision, t.fp8_recipe, layout.tp,
+                           **graph_constraints(cfg))
+    packed = cfg.data.resolution == "native"
+    chunks = layout.pp * layout.vpp
+    per_chunk = model.num_layers // chunks
+    out = MemoryPlan(layout, mb, microbatches, recompute.name,
+                     graphs.scope if graphs.config.enabled else "eager", t.precision)
+    for stage in range(layout.pp):
+        mine = {vp * layout.pp + stage for vp in range(layout.vpp)}
+        n = n_tr = 0
+        for q in model.params:
+            if q.layer is not None:
+                on = q.layer // per_chunk in mine
+            else:
+                on = (stage == 0) if q.first else (stage == layout.pp - 1)
+            if not on:
+                continue
+            k = q.numel // layout.tp if q.split else q.numel
+            n += k
+            n_tr += k if q.trainable else 0
+        shard = layout.dp if layout.distributed_optimizer else 1
+        weights = n * (2 if bf16 else 4)
+        grads = n_tr * (4 if (p.grad_reduce_in_fp32 or not bf16) else 2)
+        state = n_tr * ((4 if bf16 else 0) + 8) / shard
+        optimizer = int(state * (1 - offload))
+        ema = int(n_tr * 4 / shard) if t.ema.decay is not None else 0
+        kept = working = 0
+        for s in model.stacks:
+            tokens = mb * s.tokens
+            if s.name == "image" and not packed:
+                tokens = _padded(tokens, s.tokens, mb, layout, fp8, token_multiple)
+            layers = per_chunk if s.name == "image" else s.layers
+            k, w = _stack_activations(s, layers, tokens, layout, fp8, recompute)
+            # the embedding (patches, positions) and the head's norm: 8 h per token
+            side = 8 * s.hidden * tokens // (layout.tp if layout.sequence_parallel else 1)
+            if s.name == "image" and stage == 0:
+                side += mb * model.image_bytes if not packed else s.tokens * model.image_bytes
+            kept += k + side
+            working = max(working, w)
+        if len(model.stacks) > 1:  # contrastive logits over the global batch, fp32, and grads
+            kept += 3 * 4 * mb * mb * layout.dp
+        held = in_flight(layout, stage, microbatches)
+        out.stages.append(Stage(stage, n, n_tr, weights, grads, optimizer, ema,
+                                kept * held, held, working))
+    return out
+
+
+def _chunks(layout: Layout):
+    """A stand-in for the process groups with the layout's pipeline (recompute_plan's ``d``)."""
+    from types import SimpleNamespace
+    return SimpleNamespace(pp=layout.pp, vpp=layout.vpp)
+
+
+def t_offload(cfg) -> float:
+    return float(getattr(cfg.optim, "offload_fraction", 0.0) or 0.0)
+
+
+def _padded(tokens: int, seq: int, mb: int, layout: Layout, fp8: bool, token_multiple) -> int:
+    m = token_multiple(layout.tp if layout.sequence_parallel else 1, fp8, mb)
+    return mb * (-(-seq // m) * m) if m > 1 else tokens
+
+
+def layout_of(cfg, gpus: int) -> Layout:
+    p = cfg.parallel
+    return Layout(p.tp, p.pp, p.vpp, max(1, gpus // (p.tp * p.pp)), p.sequence_parallel,
+                  p.distributed_optimizer)
+
+
+def largest_micro_batch(cfg, model: Model, layout: Layout, budget: int, recompute=None,
+                        cap: int = 4096) -> int:
+    """The largest micro-batch whose plan fits ``budget`` bytes (0: not even 1)."""
+    def fits(mb):
+        return plan_memory(cfg, model, layout, mb, recompute).peak <= budget
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def alternatives(cfg, model: Model, layout: Layout, budget: int) -> list[str]:
+    """What would fit ``budget`` when the config's layout does not: full recompute, then tp,
+    pp and more data-parallel ranks for the distributed optimizer, each on its own."""
+    from vitgraph.plan import Recompute
+    mb = cfg.train.micro_batch_size
+    full = Recompute("full", "uniform", 1)
+    tries = []
+    if cfg.train.recompute != "full":
+        tries.append(("train.recompute=full", layout, full))
+    for tp in range(layout.tp + 1, 9):  # within a node: the heads must split evenly
+        if all(s.heads % tp == 0 for s in model.stacks):
+            tries.append((f"parallel.tp={tp}", replace(layout, tp=tp), None))
+            break
+    for pp in range(layout.pp + 1, 9):  # CLIP pairs run on one stage
+        if model.num_layers % pp == 0 and len(model.stacks) == 1:
+            tries.append((f"parallel.pp={pp}", replace(layout, pp=pp), None))
+            break
+    for dp in (2, 4, 8, 16, 32, 64):
+        if dp > layout.dp:
+            tries.append((f"{dp} data-parallel ranks (the distributed optimizer shards its "
+                          "state over them)", replace(layout, dp=dp, distributed_optimizer=True),
+                          None))
+    found = []
+    for what, lay, rc in tries:
+        plan = plan_memory(cfg, model, lay, mb, rc)
+        if plan.peak <= budget:
+            found.append(f"{what}: {plan.peak_gib:.1f} GiB at micro-batch {mb}")
+            if lay.dp != layout.dp:
+                break  # the smallest dp that fits is enough
+    return found
+
+
+def report(path, overrides, gpus: int, gpu_mem_gib: float, micro_batch: int | None = None,
+           as_json: bool = False) -> tuple[str, bool]:
+    """The text (or JSON) of ``vitgraph plan`` and whether the run fits ``gpu_mem_gib`` per
+    GPU."""
+    from vitgraph.config import check_layout, load_config
+    from vitgraph.plan import Recompute
+    cfg = load_config(path, overrides, data=False)
+    check_layout(cfg, gpus, str(path))
+    model = model_of(path, overrides)
+    layout = layout_of(cfg, gpus)
+    budget = int((gpu_mem_gib - CUDA_CONTEXT_GIB) * GIB)
+    plan = plan_memory(cfg, model, layout, micro_batch)
+    total = sum(q.numel for q in model.params)
+    lines = [f"{cfg.model.name}: {total / 1e6:,.1f}M parameters; {layout.name()} "
+             f"({layout.gpus} GPUs), micro-batch {plan.micro_batch} x {plan.microbatches} "
+             f"microbatches a step, {plan.precision}, recompute {plan.recompute}, graphs "
+             f"{plan.graphs}"
+             + (f", optimizer {t_offload(cfg):.0%} offloaded" if t_offload(cfg) else ""),
+             f"{'GiB per GPU':<24}" + "".join(f"{'stage ' + str(s.stage):>10}" for s in plan.stages)]
+    rows = [("parameters (M)", lambda s: s.params / 1e6 * GIB),
+            ("weights", lambda s: s.weights), ("gradients", lambda s: s.grads),
+            ("optimizer", lambda s: s.optimizer), ("ema", lambda s: s.ema),
+            ("activations", lambda s: s.activations), ("backward working", lambda s: s.working),
+            ("runtime + slack", lambda s: s.total - s.weights - s.grads - s.optimizer - s.ema
+             - s.activations - s.working), ("total", lambda s: s.total)]
+    for name, get in rows:
+        lines.append(f"{name:<24}" + "".join(f"{get(s) / GIB:>10.1f}" for s in plan.stages))
+    lines.append(f"{'microbatches in flight':<24}" + "".join(f"{s.in_flight:>10}" for s in plan.stages))
+    fits = plan.peak <= budget
+    lines.append(f"peak {plan.peak_gib:.1f} GiB of {gpu_mem_gib:g} GiB per GPU "
+                 f"({CUDA_CONTEXT_GIB} GiB kept for the CUDA context): "
+                 + ("fits" if fits else "DOES NOT FIT"))
+    best = largest_micro_batch(cfg, model, layout, budget)
+    full = Recompute("full", "uniform", 1)
+    best_full = largest_micro_batch(cfg, model, layout, budget, full) \
+        if cfg.train.recompute != "full" else best
+    lines.append(f"largest micro-batch that fits: {best or 'none'} (recompute "
+                 f"{plan.recompute})" + (f", {best_full or 'none'} with train.recompute=full"
+                                         if cfg.train.recompute != "full" else ""))
+    alt = alternatives(cfg, model, layout, budget) if not fits else []
+    if not fits:
+        lines.append("would fit: " + ("; ".join(alt) if alt else
+                     "none of recompute, tp, pp or more dp alone; combine them"))
+    if as_json:
+        import json
+        from dataclasses import asdict
+        return json.dumps({
+            "model": cfg.model.name, "parameters": total, "layout": asdict(layout),
+            "micro_batch": plan.micro_batch, "microbatches": plan.microbatches,
+            "precision": plan.precision, "recompute": plan.recompute, "graphs": plan.graphs,
+            "stages": [{**asdict(s), "total": s.total} for s in plan.stages],
+            "peak_gib": plan.peak_gib, "gpu_mem_gib": gpu_mem_gib, "fits": fits,
+            "largest_micro_batch": best, "largest_micro_batch_full_recompute": best_full,
+            "would_fit": alt}, indent=1), fits
+    return "\n".join(lines), fits
+
+
+CUDA_CONTEXT_GIB = 0.5
