@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, for a CUDA machine with TE and megatron-core importable
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
-#   usage: scripts/gpu_check.sh [tests|configs|train|graphs-train|multi|resume-optim|fp8-curve|data|
+#   usage: scripts/gpu_check.sh [tests|configs|plan|train|graphs-train|multi|resume-optim|fp8-curve|data|
 #          clip|profile|loop-rate|bench ...]   (default: tests train)
 #   configs (1 GPU): every GPU config's header smoke line (scripts/smoke_configs.py); fails unless
 #   each one's loss falls and its held-out top-1 reaches the figure its header asks for.
+#   plan (1 GPU): every GPU config for a few steps against `vitgraph plan` (scripts/plan_check.py);
+#   fails unless each measured peak (reserved) is within 10% of the plan.
 #   multi (2 GPUs): pp=2 1F1B eager and with graphs, pp=2 interleaved (vpp 2) with graphs, tp=2
 #   with sequence parallel, dp=2 with the distributed optimizer, each against the one-GPU curve
 #   (ViT-B/16, 8 microbatches of 8 a step); then the pp=2 run resumes at dp=2 from step 25.
@@ -33,6 +35,7 @@ for s in "${steps[@]}"; do
   case $s in
     tests) timeout 250 python -m pytest -m gpu tests/gpu -v -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
     configs) timeout 900 python scripts/smoke_configs.py --out "$out/smoke_configs.json" 2>&1 | tee "$out/smoke_configs.log" ;;
+    plan) timeout 900 python scripts/plan_check.py --out "$out/plan_check.json" 2>&1 | tee "$out/plan_check.log" ;;
     train) timeout 100 python -m vitgraph train "${b16[@]}" run.dir=/tmp/b16 train.steps=400 \
              train.global_batch_size=128 train.micro_batch_size=128 optim.lr=1e-3 optim.warmup_steps=40 \
              train.eval_every=200 2>&1 | tee "$out/train_b16.log" | grep -E "step|eval|error|Error" | tail -20 ;;

@@ -98,6 +98,7 @@ def main() -> int:
     rows, failed = [], 0
     todo = []
     for path in configs:
+        path = path.resolve()
         spec = smoke_spec(path)
         todo.append((path.name, path, spec[0][1:] if spec else shapes_run(path), None))
     for b in args.bench:

@@ -62,6 +62,11 @@ LAYOUTS = {
     "pp2-vpp2-step-graphs": (2, ["parallel.pp=2", "parallel.vpp=2", "graphs.enabled=true",
                                  "graphs.scope=step", "graphs.warmup_steps=2"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    # megatron's block checkpoints each stage's layers under both pipeline schedules
+    "pp2-1f1b-recompute-full": (2, ["parallel.pp=2", "train.recompute=full"]),
+    "pp2-vpp2-recompute-block-graphs": (2, ["parallel.pp=2", "parallel.vpp=2",
+                                            "train.recompute=full", "train.recompute_method=block",
+                                            "graphs.enabled=true", "graphs.warmup_steps=2"]),
 }
 
 
