@@ -105,8 +105,11 @@ RUNS = {
     "full-uniform-2-layer-graphs": ["train.recompute=full", "train.recompute_layers=2",
                                     *GRAPHS, "graphs.scope=layer"],
     "full-step-graphs": ["train.recompute=full", *GRAPHS, "graphs.scope=step"],
-}  # selective recompute trains on the H200 (tests/gpu/test_recompute_gpu.py); on CPU its
-# first step does not finish (not understood yet), so it has no run here
+    # the MLP's checkpoint returns fc2's bias: a view of it, or the backward never ends
+    "selective-attn-mlp": ["train.recompute=selective", "train.recompute_modules=[core_attn,mlp]"],
+    "selective-mlp-fused-never": ["train.recompute=selective", "train.recompute_modules=[mlp]",
+                                  "model.fused_norm=never"],
+}
 
 
 @pytest.fixture(scope="module")

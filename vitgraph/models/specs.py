@@ -374,7 +374,11 @@ class BiasActMLP(MLP):
         if per_token_scale is not None or self.config.gated_linear_unit:
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
         intermediate, bias = self.linear_fc1(hidden_states)
-        return self.linear_fc2(bias_act(intermediate, bias, self.activation_func))
+        out, fc2_bias = self.linear_fc2(bias_act(intermediate, bias, self.activation_func))
+        # megatron's row-parallel linear returns its bias parameter itself; out of a
+        # checkpoint (train.recompute_modules: mlp) autograd would make the parameter an output
+        # of the checkpoint node, and each recompute's backward would re-enter it without end
+        return out, None if fc2_bias is None else fc2_bias.view_as(fc2_bias)
 
 
 def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType,
