@@ -100,6 +100,8 @@ TIMM_NAMES = {"vit_l16_224": "vit_large_patch16_224", "vit_b16_224": "vit_base_p
 # image-text pairs: vitgraph's contrastive step against open_clip's (same geometry and batch)
 OPEN_CLIP_NAMES = {"clip_vit_b16": "ViT-B-16-quickgelu", "clip_vit_l14": "ViT-L-14-quickgelu"}
 VITGRAPH_ONLY = ("siglip_vit_b16",)  # vitgraph rows only: no peer of the same geometry here
+# classifiers with vitgraph rows only (timm has no entry of their geometry to compare)
+VITGRAPH_ONLY_TOWERS = ("vit_bigG14_224", "vit_6b14_224")
 
 
 def _sync_time() -> float:
@@ -977,7 +979,8 @@ def _jobs(args) -> list[tuple[int, str, str, str, str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="vit_l16_224",
-                    choices=sorted([*TIMM_NAMES, *OPEN_CLIP_NAMES, *VITGRAPH_ONLY]))
+                    choices=sorted([*TIMM_NAMES, *OPEN_CLIP_NAMES, *VITGRAPH_ONLY,
+                                    *VITGRAPH_ONLY_TOWERS]))
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 256])
     ap.add_argument("--system-batches", nargs="*", default=[],
                     help="SYSTEM=MB[,MB...]: run SYSTEM only at these of --micro-batches")

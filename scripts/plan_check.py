@@ -120,10 +120,11 @@ def main() -> int:
                   f"GiB, plan {row['plan_gib']:.2f} GiB ({100 * row['error']:+.1f}%)", flush=True)
         else:
             print(f"FAIL {name}: {row['failure']}", flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "tolerance": TOLERANCE,
-                                        "rows": rows}, indent=1))
+        if args.out:  # after every row: a run stopped by a time limit keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "tolerance":
+                                            TOLERANCE, "command": " ".join(sys.argv),
+                                            "rows": rows}, indent=1))
     return 1 if failed else 0
 
 

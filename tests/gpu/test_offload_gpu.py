@@ -1,6 +1,6 @@
 """GPU: optim.offload_fraction (megatron's HybridDeviceOptimizer) trains the curve of the GPU
-optimizer within the rounding of its CPU Adam, holds less on the GPU, and resumes from its
-checkpoint."""
+optimizer within the rounding of its CPU Adam and holds less on the GPU. Its checkpoints do
+not resume yet (a config error with checkpoint.save=true: tests/test_config.py)."""
 import pytest
 import torch
 
@@ -10,7 +10,7 @@ from test_train_gpu import batches
 pytestmark = pytest.mark.gpu
 
 BASE = ["model.num_classes=10", "model.num_layers=4", "optim.lr=3e-4", "graphs.enabled=auto",
-        "train.global_batch_size=32", "train.micro_batch_size=32"]
+        "train.global_batch_size=32", "train.micro_batch_size=32", "checkpoint.save=false"]
 
 
 def _run(path, steps, data, *over):
@@ -41,22 +41,3 @@ def test_offloaded_optimizer_trains_the_curve_and_holds_less(tmp_path):
     assert got[-1] < got[0]
     # the optimizer's fp32 master weights and moments (12 bytes a parameter) leave the GPU
     assert offloaded < on_gpu
-
-
-def test_offloaded_optimizer_resumes(tmp_path):
-    data = batches(32)
-    over = ["optim.offload_fraction=0.5", "checkpoint.every=10"]
-    full, _ = _run(tmp_path / "a", 20, data, *over)
-    t = train_gpu.make_trainer(tmp_path / "b", *BASE, *over)
-    try:
-        train_gpu.train(t, 10, data)
-        t.save()
-    finally:
-        t.close(shutdown_dist=False)
-    t = train_gpu.make_trainer(tmp_path / "b", *BASE, *over)
-    try:
-        assert t.step == 10
-        rest = train_gpu.train(t, 10, data)
-    finally:
-        t.close(shutdown_dist=False)
-    torch.testing.assert_close(torch.tensor(rest), torch.tensor(full[10:]), rtol=1e-3, atol=1e-3)
