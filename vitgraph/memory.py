@@ -15,14 +15,13 @@ megatron attributes and layer index). The rest is counted from the layout:
 * a runtime term (cuBLAS / cuDNN / TE workspaces, NCCL, the caching allocator's slack).
 
 The total is what ``torch.cuda.max_memory_reserved`` reaches (the logs' ``peak_reserved_gib``);
-the CUDA context (~0.5 GiB) comes on top and is left for ``--gpu-mem``'s check. The per-token
-figures were checked against the H200 (scripts/plan_check.py: every bundled GPU config
-within 10% of its measured peak).
+the CUDA context (~0.5 GiB) comes on top and is left for ``--gpu-mem``'s check. On an H200
+the plan was 2-7% above the measured peak of five bundled configs and seven big-tower bench
+rows (benchmarks/BENCHMARKS.md; scripts/plan_check.py holds it to 10%).
 """
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 
 GIB = 2 ** 30
@@ -30,6 +29,8 @@ GIB = 2 ** 30
 RUNTIME_BYTES = int(1.0 * GIB)
 # reserved over counted tensors: the caching allocator's rounding and fragmentation
 SLACK = 1.03
+# the CUDA context: on the GPU, outside what torch's allocator reserves
+CUDA_CONTEXT_GIB = 0.5
 # one layer's backward: its gradient temporaries, as a share of what the layer keeps
 BACKWARD_WORKING = 0.7
 
@@ -275,7 +276,7 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
     bf16 = t.precision in ("bf16", "fp8")
     if recompute is None:
         recompute = recompute_plan(cfg, _chunks(layout))
-    offload = t_offload(cfg) if offload_fraction is None else offload_fraction
+    offload = cfg.optim.offload_fraction if offload_fraction is None else offload_fraction
     microbatches = max(1, t.global_batch_size // (mb * layout.dp))
     graphs = choose_graphs(cfg.graphs, True, t.precision, t.fp8_recipe, layout.tp,
                            **graph_constraints(cfg))
@@ -328,10 +329,6 @@ def _chunks(layout: Layout):
     """A stand-in for the process groups with the layout's pipeline (recompute_plan's ``d``)."""
     from types import SimpleNamespace
     return SimpleNamespace(pp=layout.pp, vpp=layout.vpp)
-
-
-def t_offload(cfg) -> float:
-    return float(getattr(cfg.optim, "offload_fraction", 0.0) or 0.0)
 
 
 def _padded(tokens: int, seq: int, mb: int, layout: Layout, fp8: bool, token_multiple) -> int:
@@ -411,7 +408,8 @@ def report(path, overrides, gpus: int, gpu_mem_gib: float, micro_batch: int | No
              f"({layout.gpus} GPUs), micro-batch {plan.micro_batch} x {plan.microbatches} "
              f"microbatches a step, {plan.precision}, recompute {plan.recompute}, graphs "
              f"{plan.graphs}"
-             + (f", optimizer {t_offload(cfg):.0%} offloaded" if t_offload(cfg) else ""),
+             + (f", optimizer {cfg.optim.offload_fraction:.0%} offloaded"
+                if cfg.optim.offload_fraction else ""),
              f"{'GiB per GPU':<24}" + "".join(f"{'stage ' + str(s.stage):>10}" for s in plan.stages)]
     rows = [("parameters (M)", lambda s: s.params / 1e6 * GIB),
             ("weights", lambda s: s.weights), ("gradients", lambda s: s.grads),
@@ -450,5 +448,3 @@ def report(path, overrides, gpus: int, gpu_mem_gib: float, micro_batch: int | No
             "would_fit": alt}, indent=1), fits
     return "\n".join(lines), fits
 
-
-CUDA_CONTEXT_GIB = 0.5
