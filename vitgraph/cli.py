@@ -58,8 +58,7 @@ def _parser() -> argparse.ArgumentParser:
                                     "parameter: its name (what model.freeze patterns match), "
                                     "shape, lr scale (optim.layer_decay), weight decay on/off "
                                     "and whether model.freeze / task.lock_image freeze it.")
-    pa.add_argument("config", help="YAML experiment config")
-    pa.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    _config_arguments(pa)
     pl = sub.add_parser("plan", help="GPU memory per stage of a config's layout, the largest "
                         "micro-batch that fits, and what would fit when it does not",
                         description="Count, on CPU and before any run, what CONFIG holds on "
@@ -71,13 +70,12 @@ def _parser() -> argparse.ArgumentParser:
                                     "without full recompute, and, when it does not fit, "
                                     "which of recompute, tp, pp or more data-parallel ranks "
                                     "would. Exits 1 when it does not fit.")
-    pl.add_argument("config", help="YAML experiment config")
-    pl.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    _config_arguments(pl)
     pl.add_argument("--gpus", type=int, default=None,
                     help="world size (default: parallel.tp x parallel.pp, i.e. dp 1)")
     pl.add_argument("--gpu-mem", type=float, default=None,
-                    help="memory per GPU in GiB as torch reports it (default: this machine's "
-                         "GPU, else an H200's 139.8; an H100 has 79.1)")
+                    help="memory per GPU in GiB (default: this machine's first GPU by "
+                         "nvidia-smi, else 139.8: an H200 as torch reports it; an H100: 79.1)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON instead")
     sub.add_parser("configs", help="list the bundled configs with their header lines")
     sub.add_parser("models", help="list the registered model names")
@@ -85,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--clear", action="store_true", help="delete every cached dataset")
     ca.add_argument("--dir", default=None, help="cache directory (default: data.cache_dir's default)")
     return parser
+
+
+def _config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML experiment config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,11 +237,10 @@ def _plan(args) -> int:
     """`vitgraph plan`: vitgraph.memory's count for a config (CPU only, nothing trained)."""
     gpu_mem = args.gpu_mem or _gpu_mem_gib()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the model is built on the meta device, on CPU
-    from vitgraph.config import ConfigError, load_config
+    from vitgraph.config import ConfigError
     from vitgraph.memory import report
     try:
-        gpus = args.gpus or _model_parallel(load_config(args.config, args.overrides, data=False))
-        text, fits = report(args.config, args.overrides, gpus, gpu_mem, as_json=args.json)
+        text, fits = report(args.config, args.overrides, args.gpus, gpu_mem, as_json=args.json)
     except ConfigError as e:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
@@ -256,10 +258,6 @@ def _gpu_mem_gib() -> float:
         if r.returncode == 0 and r.stdout.split():
             return int(r.stdout.split()[0]) / 1024
     return 139.8
-
-
-def _model_parallel(cfg) -> int:
-    return cfg.parallel.tp * cfg.parallel.pp
 
 
 def _configs() -> int:

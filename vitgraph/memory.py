@@ -247,7 +247,7 @@ def _stack_activations(s: Stack, layers: int, tokens: int, layout: Layout, fp8: 
         n = min(recompute.num_layers or 1, layers)
         if recompute.method == "uniform":
             units = math.ceil(layers / n)
-            return int(units * ckpt), int(working + min(n, layers) * full)
+            return int(units * ckpt), int(working + n * full)
         return int(n * ckpt + (layers - n) * full), int(working + full)
     kept = layers * full
     if g == "selective" and "mlp" in (recompute.modules or ()):
@@ -268,7 +268,6 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
     (a vitgraph.plan.Recompute; default: the config's)."""
     from vitgraph.config import graph_constraints
     from vitgraph.graphs.auto import choose_graphs
-    from vitgraph.models.build import token_multiple
     from vitgraph.plan import recompute_plan
     t, p = cfg.train, cfg.parallel
     mb = micro_batch or t.micro_batch_size
@@ -306,9 +305,8 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
         ema = int(n_tr * 4 / shard) if t.ema.decay is not None else 0
         kept = working = 0
         for s in model.stacks:
-            tokens = mb * s.tokens
-            if s.name == "image" and not packed:
-                tokens = _padded(tokens, s.tokens, mb, layout, fp8, token_multiple)
+            padded = s.name == "image" and not packed
+            tokens = mb * (_padded(s.tokens, mb, layout, fp8) if padded else s.tokens)
             layers = per_chunk if s.name == "image" else s.layers
             k, w = _stack_activations(s, layers, tokens, layout, fp8, recompute)
             # the embedding (patches, positions) and the head's norm: 8 h per token
@@ -331,9 +329,11 @@ def _chunks(layout: Layout):
     return SimpleNamespace(pp=layout.pp, vpp=layout.vpp)
 
 
-def _padded(tokens: int, seq: int, mb: int, layout: Layout, fp8: bool, token_multiple) -> int:
+def _padded(seq: int, mb: int, layout: Layout, fp8: bool) -> int:
+    """An image's tokens as the model pads them (sequence parallel, FP8 GEMMs)."""
+    from vitgraph.models.build import token_multiple
     m = token_multiple(layout.tp if layout.sequence_parallel else 1, fp8, mb)
-    return mb * (-(-seq // m) * m) if m > 1 else tokens
+    return -(-seq // m) * m
 
 
 def layout_of(cfg, gpus: int) -> Layout:
@@ -391,13 +391,14 @@ def alternatives(cfg, model: Model, layout: Layout, budget: int) -> list[str]:
     return found
 
 
-def report(path, overrides, gpus: int, gpu_mem_gib: float, micro_batch: int | None = None,
-           as_json: bool = False) -> tuple[str, bool]:
+def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
+           micro_batch: int | None = None, as_json: bool = False) -> tuple[str, bool]:
     """The text (or JSON) of ``vitgraph plan`` and whether the run fits ``gpu_mem_gib`` per
-    GPU."""
+    GPU; ``gpus`` None: parallel.tp x parallel.pp (dp 1)."""
     from vitgraph.config import check_layout, load_config
     from vitgraph.plan import Recompute
     cfg = load_config(path, overrides, data=False)
+    gpus = gpus or cfg.parallel.tp * cfg.parallel.pp
     check_layout(cfg, gpus, str(path))
     model = model_of(path, overrides)
     layout = layout_of(cfg, gpus)
@@ -411,8 +412,8 @@ def report(path, overrides, gpus: int, gpu_mem_gib: float, micro_batch: int | No
              + (f", optimizer {cfg.optim.offload_fraction:.0%} offloaded"
                 if cfg.optim.offload_fraction else ""),
              f"{'GiB per GPU':<24}" + "".join(f"{'stage ' + str(s.stage):>10}" for s in plan.stages)]
-    rows = [("parameters (M)", lambda s: s.params / 1e6 * GIB),
-            ("weights", lambda s: s.weights), ("gradients", lambda s: s.grads),
+    lines.append(f"{'parameters (M)':<24}" + "".join(f"{s.params / 1e6:>10.1f}" for s in plan.stages))
+    rows = [("weights", lambda s: s.weights), ("gradients", lambda s: s.grads),
             ("optimizer", lambda s: s.optimizer), ("ema", lambda s: s.ema),
             ("activations", lambda s: s.activations), ("backward working", lambda s: s.working),
             ("runtime + slack", lambda s: s.total - s.weights - s.grads - s.optimizer - s.ema

@@ -408,12 +408,12 @@ class Trainer:
         """A stop signal reached a rank: every rank is here at the same step. Save and leave."""
         if self.step > self._saved_step:
             self.save()
-        log.warning("%s received: stopped after step %d/%d with checkpoint step_%06d saved; "
-                    "run the same command to resume", self.stops.received or "a stop signal "
-                    "(on another rank)", self.step, self.total_steps, self._saved_step)
-        raise Preempted(f"preempted after step {self.step}/{self.total_steps}; checkpoint "
-                        f"{self.ckpt_dir / f'step_{self._saved_step:06d}'} saved; run the same "
-                        f"command to resume")
+        saved = (f"checkpoint {self.ckpt_dir / f'step_{self._saved_step:06d}'} saved; run the "
+                 f"same command to resume" if self.cfg.checkpoint.save
+                 else "no checkpoint saved (checkpoint.save=false)")
+        log.warning("%s received: stopped after step %d/%d; %s", self.stops.received or
+                    "a stop signal (on another rank)", self.step, self.total_steps, saved)
+        raise Preempted(f"preempted after step {self.step}/{self.total_steps}; {saved}")
 
     def close(self, shutdown_dist: bool = True, failed: bool = False):
         if self.stops is not None:
