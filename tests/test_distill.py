@@ -88,7 +88,9 @@ def test_task_loss_mixes_the_task_and_distillation_terms():
         term = soft_loss(STUDENT, TEACHER, temp) if kind == "soft" \
             else hard_loss(STUDENT, TEACHER)
         assert loss.item() == pytest.approx(((1 - w) * ce + w * term).item(), rel=1e-6)
-        assert stats.tolist() == pytest.approx([loss.item() * 4, 4.0, 4.0])  # logs the total
+        # the total, then each term (logged apart: loss_task, loss_distill)
+        assert stats.tolist() == pytest.approx([loss.item() * 4, 4.0, 4.0, ce.item() * 4,
+                                                term.item() * 4], rel=1e-6)
     # weight 0: the plain task loss, whatever the teacher
     task = _task(teacher="timm:x", weight=0.0)
     assert task.loss((None, labels, labels, TEACHER), STUDENT)[0].item() == \
@@ -242,6 +244,15 @@ def test_short_runs_from_a_timm_teacher_and_from_a_vitgraph_run(tmp_path):
                "data.augment.enabled=true")
     assert m["step"] == 3 and all(math.isfinite(x) for x in _losses(tmp_path / "student"))
     assert "step_000005 (step 5)" in _log(tmp_path / "student")
+    # each logged record holds both terms, and the loss is their mix
+    records = [r for r in map(json.loads, (tmp_path / "student" / "log.jsonl").read_text()
+                              .splitlines()) if "loss" in r]
+    assert records and m["loss_distill"] == records[-1]["loss_distill"]
+    for r in records:
+        assert r["loss"] == pytest.approx(0.3 * r["loss_task"] + 0.7 * r["loss_distill"], rel=1e-5)
+    assert " | task " in _log(tmp_path / "student") and " | distill " in _log(tmp_path / "student")
+    # without a teacher neither term is logged
+    assert "loss_task" not in json.loads((tmp_path / "teacher" / "metrics.json").read_text())
 
     # weight 0: the same run as without a teacher (the teacher changes nothing else)
     _train(tmp_path / "plain", 2)

@@ -11,7 +11,8 @@ supplies, through this interface only:
 * ``prepare(raw, key, device, first_stage)``: one microbatch as the model takes it, on the
   device (augmented when ``key`` is a training (step, microbatch) pair);
 * ``forward(model, inputs)`` and ``loss(inputs, output) -> (loss, stats)``, where stats is
-  the float tensor [loss x n, correct, n] summed into the logged loss and top-1;
+  the float tensor [loss x n, correct, n, *extra x n] summed into the logged loss, top-1 and
+  the terms named by ``extra_stats`` (each logged as its mean over the samples);
 * ``after_update(chunks)``: in-place fixes after each optimizer update (inside a captured
   step too, so device ops only);
 * ``eval_outputs(inputs, output)`` (one forward-only microbatch's results) and
@@ -32,6 +33,9 @@ from vitgraph.plan import Plan
 class Task:
     name = "abstract"
     fill_label = -1  # the label of samples that only fill an eval microbatch up
+    # names of the loss terms a training step adds after [loss x n, correct, n] (the same on
+    # every rank: the sums are reduced over the world)
+    extra_stats: tuple[str, ...] = ()
 
     def __init__(self, plan: Plan, cfg: Config, d: Dist, total_steps: int | None = None):
         self.plan, self.cfg, self.d = plan, cfg, d
@@ -84,6 +88,9 @@ def reduce_stats(stats: torch.Tensor, d: Dist) -> torch.Tensor:
     return stats / d.tp
 
 
-def stats(loss_sum: torch.Tensor, correct: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The [loss x n, correct, n] vector the loop sums; an empty microbatch adds nothing."""
-    return torch.stack([torch.where(n > 0, loss_sum, 0.0), correct.float(), n.float()])
+def stats(loss_sum: torch.Tensor, correct: torch.Tensor, n: torch.Tensor,
+          *extra_sums: torch.Tensor) -> torch.Tensor:
+    """The [loss x n, correct, n, *extra x n] vector the loop sums; an empty microbatch adds
+    nothing."""
+    return torch.stack([torch.where(n > 0, loss_sum, 0.0), correct.float(), n.float(),
+                        *(torch.where(n > 0, e, 0.0) for e in extra_sums)])

@@ -43,6 +43,7 @@ class ClassificationTask(Task):
                                         cfg.train.label_smoothing, cfg.train.seed, self.d.dp_rank)
         if cfg.train.distill.teacher:
             from vitgraph.tasks.distill import build_teacher
+            self.extra_stats = ("loss_task", "loss_distill")
             self.teacher = build_teacher(cfg, self.plan, self.d, self.num_classes)
 
     def build_model(self) -> list:
@@ -131,16 +132,14 @@ class ClassificationTask(Task):
         loss = F.cross_entropy(output, targets, label_smoothing=smoothing, ignore_index=-1)
         correct = ((output.argmax(-1) == labels) & valid).sum()
         if len(inputs) > 3:  # distillation: the teacher's logits of these images
-            loss = self.distill_mix(loss, output, inputs[3], valid)
+            from vitgraph.tasks.distill import distill_loss
+            dt = self.cfg.train.distill
+            dl = distill_loss(dt.kind, output, inputs[3], dt.temperature, valid)
+            task_loss, loss = loss.detach(), (1 - dt.weight) * loss + dt.weight * dl
+            return loss, stats(loss.detach().clone() * n, correct, n, task_loss * n,
+                               dl.detach() * n)
         # the schedule divides `loss` in place by the number of microbatches: count a clone
         return loss, stats(loss.detach().clone() * n, correct, n)
-
-    def distill_mix(self, task_loss, output, teacher, valid):
-        """(1 - weight) x the task's loss + weight x the distillation loss."""
-        from vitgraph.tasks.distill import distill_loss
-        dt = self.cfg.train.distill
-        dl = distill_loss(dt.kind, output, teacher, dt.temperature, valid)
-        return (1 - dt.weight) * task_loss + dt.weight * dl
 
     def _pack_loss(self, labels, output):
         """Mean cross-entropy over a pack's images; an empty pack gives 0, not 0 / 0."""

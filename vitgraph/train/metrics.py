@@ -17,7 +17,7 @@ from vitgraph.tasks.base import reduce_stats
 @dataclass
 class StepResult:
     """One optimizer step, as device tensors whatever ran it (eager or a captured graph):
-    ``stats`` [loss x n, correct, n] summed over its microbatches, ``grad_norm`` and ``ok``
+    ``stats`` [loss x n, correct, n, *extra x n] summed over its microbatches, ``grad_norm`` and ``ok``
     (the update was applied). ``ok_on_host``: the same flag where the host knows it without a
     sync (eager: megatron read the norm), None under step graphs."""
     stats: torch.Tensor
@@ -90,17 +90,20 @@ class MetricsWindow:
     """The steps since the last log step. ``add`` sums on the device (a skipped step's
     non-finite values stay out); ``close`` reduces over the ranks, reads the sums once and
     starts the next window. ``peak_flops``: the device's peak FLOP/s, None where it is not
-    known (CPU): then the record has no MFU."""
+    known (CPU): then the record has no MFU. ``extra_stats``: the names of the task's further
+    loss terms (Task.extra_stats), each logged as its mean over the window's samples."""
 
     def __init__(self, device: torch.device, d, global_batch: int, flops_per_sample: float,
-                 peak_flops: float | None, flops_per_token: tuple[float, float] | None = None):
+                 peak_flops: float | None, flops_per_token: tuple[float, float] | None = None,
+                 extra_stats: tuple[str, ...] = ()):
         self.device, self.d = device, d
         self.global_batch, self.flops_per_sample = global_batch, flops_per_sample
         self.peak_flops = peak_flops
         # native resolution: a step's images and tokens vary; the loader counts them on the
         # host (PackedLoader.last_counts) and FLOPs are (per token, per attended token pair)
         self.flops_per_token = flops_per_token
-        self.stats = torch.zeros(3, device=device)
+        self.extra_stats = extra_stats
+        self.stats = torch.zeros(3 + len(extra_stats), device=device)
         self._clear()
 
     def _clear(self) -> None:
@@ -128,7 +131,7 @@ class MetricsWindow:
 
     def close(self, step: int, **extra) -> dict:
         """The window's record (a sync point); the next window starts empty."""
-        loss_sum, correct, n = reduce_stats(self.stats, self.d).tolist()
+        loss_sum, correct, n, *extra_sums = reduce_stats(self.stats, self.d).tolist()
         norm, good = float(self.norm), int(self.good)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -147,6 +150,7 @@ class MetricsWindow:
                   # None when every step of the window was skipped
                   "loss": loss_sum / n if n else None,
                   "train_top1": correct / n if n else None,
+                  **{k: s / n if n else None for k, s in zip(self.extra_stats, extra_sums)},
                   "lr": extra.pop("lr"),
                   "grad_norm": norm / good if good else None,
                   "images_per_s": ips, **extra_rates, "tflops_per_gpu": tflops}
@@ -174,7 +178,10 @@ def train_line(record: dict, total_steps: int, eta_s: float, graphs: str = "") -
                             for k in ("loss", "train_top1", "lr", "grad_norm"))
     mfu = f" | MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
     skipped = record.get("skipped_steps")
-    return (f"step {record['step']}/{total_steps} | loss {loss:.4f} | top1 {top1:.3f} | "
+    # distillation: the two terms the loss mixes
+    terms = "".join(f" | {k[5:]} {record[k]:.4f}" for k in ("loss_task", "loss_distill")
+                    if record.get(k) is not None)
+    return (f"step {record['step']}/{total_steps} | loss {loss:.4f}{terms} | top1 {top1:.3f} | "
             f"lr {lr:.2e} | grad {norm:.3f} | {record['images_per_s']:.1f} img/s | "
             f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu{mfu} | "
             f"mem {record['peak_mem_gib']:.2f} GiB | eta {duration(eta_s)}{graphs}"
