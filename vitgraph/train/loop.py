@@ -252,7 +252,8 @@ class Trainer:
         self.task.after_update(self.chunks)
         if self.ema is not None:  # a skipped step (ok False, or 0 on the device) leaves it
             self.ema.update(ok)
-        stats = sum((o["stats"] for o in out), torch.zeros(3, device=self.d.device))
+        stats = sum((o["stats"] for o in out),
+                    torch.zeros(3 + len(self.task.extra_stats), device=self.d.device))
         if lazy:
             return [stats, grad_norm, ok]
         return [stats, torch.as_tensor(grad_norm, dtype=torch.float32, device=self.d.device),
@@ -296,7 +297,13 @@ class Trainer:
         if path is None:
             return
         with_ema = self.ema is not None and checkpoint.holds_ema(path)
-        state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True, ema=with_ema))
+        template = self.sharded_state(is_loading=True, ema=with_ema)
+        # megatron's CPU-offloading optimizer (optim.offload_fraction) keeps its sub-optimizer
+        # classes in every param group, so they are pickled into the checkpoint; torch.load
+        # (weights_only) refuses classes unless allowed: allow exactly those this run holds
+        classes = {v for g in self.optimizer.param_groups for v in g.values() if isinstance(v, type)}
+        with torch.serialization.safe_globals(sorted(classes, key=repr)):
+            state = checkpoint.load(path, self.d, template)
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -328,7 +335,8 @@ class Trainer:
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
                                self.flops_per_sample, t.peak_flops if self.d.cuda else None,
                                flops_per_token=getattr(self.task, "flops_per_token", None)
-                               if self.plan.native else None)
+                               if self.plan.native else None,
+                               extra_stats=self.task.extra_stats)
         progress = Progress(self.total_steps, self.step, t.progress and self.d.rank == 0)
         t_start, first_step, record = time.time(), self.step, {}
         while self.step < self.total_steps:
@@ -387,7 +395,8 @@ class Trainer:
             self.save()
         record = record or self.records.last_train_record()  # a run stopped after its save
         metrics = {"step": self.step, **evals,
-                   **{k: record[k] for k in ("loss", "train_top1", "images_per_s", "mfu",
+                   **{k: record[k] for k in ("loss", "loss_task", "loss_distill", "train_top1",
+                                             "images_per_s", "mfu",
                                              "peak_mem_gib", "peak_reserved_gib", "skipped_steps")
                                              if k in record},
                    "wall_s_this_process": wall, "model": self.cfg.model.name,
