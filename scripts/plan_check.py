@@ -77,6 +77,8 @@ def bench_rows(path: Path) -> list[tuple[str, list[str], dict]]:
                 "graphs.enabled=false" if graphs == "eager" else f"graphs.scope={graphs}"]
         if graphs != "eager":
             over.append("graphs.enabled=true")
+        if graphs == "layer" and r["precision"].startswith("fp8"):
+            over.append("graphs.impl=te")  # bench.py's FP8 layer graphs
         name = f"{path.name}: {r['system']} {r['model']} mb{r['micro_batch']} {r['precision']} " \
                f"recompute {r.get('recompute', 'none')}"
         out.append((name, over, {"peak_reserved_gib": r["peak_reserved_gib"],

@@ -280,6 +280,14 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
     graphs = choose_graphs(cfg.graphs, True, t.precision, t.fp8_recipe, layout.tp,
                            **graph_constraints(cfg))
     packed = cfg.data.resolution == "native"
+    # FP8 under step graphs: the captured step reserves what the bf16 one does, plus TE's FP8
+    # copy of each weight and its transpose (2 bytes a parameter); eager FP8 keeps its GEMM
+    # inputs in one byte. Fitted to ViT-L/16 and ViT-g/14 on an H200 (BENCHMARKS.md)
+    step_fp8 = fp8 and graphs.config.enabled and graphs.scope == "step"
+    # TE's make_graphed_callables (graphs.impl=te) warms each layer up eagerly, and the
+    # allocator keeps those activations cached beside the graphs' own pool: held twice
+    # (ViT-L/16 FP8 layer graphs on an H200: 69.2 GiB reserved, 38.1 eager)
+    twice = graphs.config.enabled and graphs.scope == "layer" and graphs.config.impl == "te"
     chunks = layout.pp * layout.vpp
     per_chunk = model.num_layers // chunks
     out = MemoryPlan(layout, mb, microbatches, recompute.name,
@@ -298,7 +306,7 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
             n += k
             n_tr += k if q.trainable else 0
         shard = layout.dp if layout.distributed_optimizer else 1
-        weights = n * (2 if bf16 else 4)
+        weights = n * (2 if bf16 else 4) + (2 * n if step_fp8 else 0)
         grads = n_tr * (4 if (p.grad_reduce_in_fp32 or not bf16) else 2)
         state = n_tr * ((4 if bf16 else 0) + 8) / shard
         optimizer = int(state * (1 - offload))
@@ -308,7 +316,7 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
             padded = s.name == "image" and not packed
             tokens = mb * (_padded(s.tokens, mb, layout, fp8) if padded else s.tokens)
             layers = per_chunk if s.name == "image" else s.layers
-            k, w = _stack_activations(s, layers, tokens, layout, fp8, recompute)
+            k, w = _stack_activations(s, layers, tokens, layout, fp8 and not step_fp8, recompute)
             # the embedding (patches, positions) and the head's norm: 8 h per token
             side = 8 * s.hidden * tokens // (layout.tp if layout.sequence_parallel else 1)
             if s.name == "image" and stage == 0:
@@ -319,7 +327,7 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
             kept += 3 * 4 * mb * mb * layout.dp
         held = in_flight(layout, stage, microbatches)
         out.stages.append(Stage(stage, n, n_tr, weights, grads, optimizer, ema,
-                                kept * held, held, working))
+                                kept * held * (2 if twice else 1), held, working))
     return out
 
 
