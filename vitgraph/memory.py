@@ -16,8 +16,9 @@ megatron attributes and layer index). The rest is counted from the layout:
 
 The total is what ``torch.cuda.max_memory_reserved`` reaches (the logs' ``peak_reserved_gib``);
 the CUDA context (~0.5 GiB) comes on top and is left for ``--gpu-mem``'s check. On an H200
-the plan was 2-7% above the measured peak of five bundled configs and seven big-tower bench
-rows (benchmarks/BENCHMARKS.md; scripts/plan_check.py holds it to 10%).
+the plan was within -0.5..+7.1% of the measured peak of eight bundled configs and -1.9..+6.0%
+of fifteen bench rows, FP8 ones included (benchmarks/BENCHMARKS.md; scripts/plan_check.py
+holds it to 10%).
 """
 from __future__ import annotations
 
