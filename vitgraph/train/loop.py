@@ -297,13 +297,7 @@ class Trainer:
         if path is None:
             return
         with_ema = self.ema is not None and checkpoint.holds_ema(path)
-        template = self.sharded_state(is_loading=True, ema=with_ema)
-        # megatron's CPU-offloading optimizer (optim.offload_fraction) keeps its sub-optimizer
-        # classes in every param group, so they are pickled into the checkpoint; torch.load
-        # (weights_only) refuses classes unless allowed: allow exactly those this run holds
-        classes = {v for g in self.optimizer.param_groups for v in g.values() if isinstance(v, type)}
-        with torch.serialization.safe_globals(sorted(classes, key=repr)):
-            state = checkpoint.load(path, self.d, template)
+        state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True, ema=with_ema))
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])
