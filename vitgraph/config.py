@@ -41,6 +41,11 @@ class ModelConfig:
     num_classes: Optional[int] = None  # None: the dataset's class count
     num_registers: int = 0
     class_token: bool = True
+    # DeiT's distillation token: a second prefix token after the class token with a head of
+    # its own (head_dist). With train.distill.teacher the class head takes the task's loss and
+    # the distillation head the teacher's; otherwise, and in evaluation, the two heads'
+    # logits are averaged (DeiT, timm's VisionTransformerDistilled)
+    distill_token: bool = False
     # mean: over the patch tokens; map: attention pooling by a learned query (SigLIP's head)
     pool: str = key("cls", choices=("cls", "mean", "map"))
     # data.resolution=native: how the learned position grid is resampled to each image's
@@ -769,6 +774,15 @@ def validate(cfg: Config, src: str = "<config>", data: bool = True) -> None:
         err("data.augment.auto", "3augment", "not with data.resolution=native (gaussian blur "
             "needs an image's neighbouring patches): set data.augment.auto=none or randaugment")
 
+    if cfg.model.distill_token:
+        m = cfg.model
+        why = ("needs task.kind=classification" if task_kind(cfg) != "classification" else
+               "needs model.class_token=true and model.pool=cls (its head reads the token "
+               "after the class token)" if not m.class_token or m.pool != "cls" else
+               "not with data.resolution=native (packs have one class token an image)"
+               if cfg.data.resolution == "native" else None)
+        if why:
+            err("model.distill_token", True, why)
     dt = cfg.train.distill
     if dt.teacher:  # the class count and the weights are checked when the teacher is built
         if task_kind(cfg) != "classification":

@@ -131,7 +131,8 @@ def _stacks(cfg, plan) -> tuple:
         tokens = plan.pack.tokens
     else:
         tokens = (sequence_length(a, plan.pair.class_token) if plan.pair is not None
-                  else sequence_length(a, cfg.model.class_token, cfg.model.num_registers))
+                  else sequence_length(a, cfg.model.class_token, cfg.model.num_registers,
+                                  cfg.model.distill_token))
     stacks = [Stack("image", a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads, tokens)]
     if task_kind(cfg) == "contrastive" and plan.pair is not None:
         t = plan.pair.text
@@ -203,7 +204,8 @@ def model_of(path, overrides=()) -> Model:
 
 def _embedding_side(name: str) -> bool:
     base = name.split(".", 1)[1] if name.startswith("visual.") else name
-    return base.split(".")[0] in ("cls_token", "pos_embed", "patch_embed", "registers", "ln_pre")
+    return base.split(".")[0] in ("cls_token", "dist_token", "pos_embed", "patch_embed", "registers",
+                                   "ln_pre")
 
 
 def layer_bytes_per_token(s: Stack, tp: int, sp: bool, fp8: bool) -> float:

@@ -147,7 +147,7 @@ def resolve_plan(cfg: Config, d: Dist) -> Plan:
     fp8 = t.precision == "fp8"
     # the fused norms are decided on the image tower's tokens (for both towers of a pair)
     seq = sequence_length(arch, pair.class_token) if pair is not None \
-        else sequence_length(arch, m.class_token, m.num_registers)
+        else sequence_length(arch, m.class_token, m.num_registers, m.distill_token)
     pack = pack_spec(cfg)
     tokens = pack.tokens if pack is not None else t.micro_batch_size * seq
     return Plan(task=kind, arch=arch, pair=pair, spec=spec,

@@ -79,7 +79,13 @@ def hf_preprocessor_config(image_size: int) -> dict:
 
 def timm_config(name: str, arch, model_cfg, num_classes: int,
                 classes: list[str] | None) -> dict:
-    """timm's ``config.json`` for a ``VisionTransformer`` with these sizes."""
+    """timm's ``config.json`` for a ``VisionTransformer`` with these sizes (with
+    model.distill_token: DeiT's ``VisionTransformerDistilled``)."""
+    distilled = getattr(model_cfg, "distill_token", False)
+    if distilled and model_cfg.num_registers:
+        from vitgraph.convert.tables import ConvertError
+        raise ConvertError("timm's distilled ViT (VisionTransformerDistilled) has no register "
+                           "tokens: this run has a distillation token and registers")
     pool = "token" if model_cfg.pool == "cls" and model_cfg.class_token else "avg"
     model_args = {"img_size": arch.image_size, "patch_size": arch.patch_size,
                   "embed_dim": arch.hidden_size, "depth": arch.num_layers,
@@ -91,8 +97,12 @@ def timm_config(name: str, arch, model_cfg, num_classes: int,
     pretrained_cfg = {"input_size": [3, s, s], "fixed_input_size": True,
                       "interpolation": "bicubic", "crop_pct": 1.0, "crop_mode": "center",
                       "mean": list(MEAN), "std": list(STD), "num_classes": num_classes,
-                      "first_conv": "patch_embed.proj", "classifier": "head"}
-    out = {"architecture": name if name in TIMM_NAMES else "vit_base_patch16_224",
+                      "first_conv": "patch_embed.proj",
+                      "classifier": ["head", "head_dist"] if distilled else "head"}
+    # timm's DeiT-B distilled entry builds VisionTransformerDistilled; model_args set the sizes
+    base = "deit_base_distilled_patch16_224" if distilled else \
+        name if name in TIMM_NAMES else "vit_base_patch16_224"
+    out = {"architecture": base,
            "num_classes": num_classes, "num_features": arch.hidden_size, "global_pool": pool,
            "model_args": model_args, "pretrained_cfg": pretrained_cfg}
     if classes:

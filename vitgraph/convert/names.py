@@ -27,19 +27,23 @@ from vitgraph.convert.tables import (ConvertError, Tower, check_empty, num_layer
 
 FORMATS = ("vitgraph", "timm", "hf", "open_clip", "timm_naflex")
 
-_CLASSIFIER_OPTIONAL = frozenset({"cls_token", "registers", "head.weight", "head.bias"})
+_CLASSIFIER_OPTIONAL = frozenset({"cls_token", "registers", "head.weight", "head.bias",
+                                  "dist_token", "head_dist.weight", "head_dist.bias"})
 
 TIMM = Tower(
     globals=(
         ("patch_embed.weight", "patch_embed.proj.weight"),
         ("patch_embed.bias", "patch_embed.proj.bias"),
         ("cls_token", "cls_token"),
+        ("dist_token", "dist_token"),  # DeiT's distilled models
         ("registers", "reg_token"),
         ("pos_embed", "pos_embed"),
         ("final_norm.weight", "norm.weight"),
         ("final_norm.bias", "norm.bias"),
         ("head.weight", "head.weight"),
         ("head.bias", "head.bias"),
+        ("head_dist.weight", "head_dist.weight"),
+        ("head_dist.bias", "head_dist.bias"),
     ),
     layer=(
         ("self_attention.linear_qkv.layer_norm_weight", "norm1.weight"),

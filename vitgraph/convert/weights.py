@@ -94,11 +94,13 @@ def export_state_dict(model_chunks, dtype: torch.dtype | None = None) -> dict[st
 
 
 def expected_names(arch, num_prefix: int, class_token: bool, num_registers: int,
-                   pool: str = "cls") -> set[str]:
+                   pool: str = "cls", distill_token: bool = False) -> set[str]:
     """Every parameter name of the full model (``pool`` map: attention pooling before the
-    head)."""
+    head; ``distill_token``: DeiT's token and its head)."""
     names = {"patch_embed.weight", "patch_embed.bias", "pos_embed", "final_norm.weight",
              "final_norm.bias", "head.weight", "head.bias"}
+    if distill_token:
+        names |= {"dist_token", "head_dist.weight", "head_dist.bias"}
     if pool == "map":
         names |= {"attn_pool.latent", *(f"attn_pool.{m}.{k}" for m in
                                          ("q", "kv", "proj", "norm", "fc1", "fc2")
@@ -175,20 +177,20 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
         known = set(names.values())  # the whole model is here
     else:  # a pipeline stage: unexpected means unknown to every stage
         known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers,
-                               vit.pool)
+                               vit.pool, getattr(vit, "distill_token", False))
     unexpected = sorted(set(sd) - known)
     if unexpected:
         raise ConvertError(f"{source}: unexpected key {name_of(unexpected[0])!r}"
                            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                            + " for this model (check model.name, model.num_registers, "
-                             "model.class_token)")
+                             "model.class_token, model.distill_token)")
     no_text = pair and not any(k.startswith("text.") for k in sd)
     report = {"head_reinitialised": False, "pos_embed_resized": None, "kept": []}
     own = vit.state_dict()
     for local, name in names.items():
         target = own[local]
         if name not in sd:
-            if name.startswith("head."):
+            if name.startswith(("head.", "head_dist.")):
                 report["head_reinitialised"] = True
                 continue
             if pair and (name in ("logit_scale", "logit_bias")
@@ -197,7 +199,7 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
                 continue
             raise ConvertError(f"{source}: missing key {name_of(name)!r}")
         value = sd[name]
-        if name.startswith("head.") and value.shape != target.shape:
+        if name.startswith(("head.", "head_dist.")) and value.shape != target.shape:
             report["head_reinitialised"] = True
             continue
         if name in ("pos_embed", "visual.pos_embed") and value.shape != target.shape:

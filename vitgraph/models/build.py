@@ -119,7 +119,7 @@ def build_model(plan, model_cfg, d, num_classes: int, seed: int,
         last = d.is_last_stage and vp == d.vpp - 1
         chunk = ViT(config, layer_spec, plan.arch, model_cfg.num_classes or num_classes,
                     num_registers=model_cfg.num_registers, class_token=model_cfg.class_token,
-                    pool=model_cfg.pool, pre_process=first, post_process=last,
+                    distill_token=model_cfg.distill_token, pool=model_cfg.pool, pre_process=first, post_process=last,
                     vp_stage=vp if d.vpp > 1 else None,
                     pad_to=plan.token_padding if plan.pads else None, pack=pack,
                     packed_attention=packed_attention,

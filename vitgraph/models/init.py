@@ -58,7 +58,8 @@ def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers:
     norm = name.startswith(("final_norm.", "ln_pre."))
     if leaf == "layer_norm_weight" or norm and leaf == "weight":
         return t.fill_(1.0)
-    if leaf in ("layer_norm_bias",) or norm or name.startswith("head.") or name == "proj.bias":
+    if leaf in ("layer_norm_bias",) or norm or name.startswith(("head.", "head_dist.")) \
+            or name == "proj.bias":
         return t.zero_()
     if name == "proj.weight":  # [embed_dim, width]
         return t.normal_(0.0, shape[1] ** -0.5, generator=gen)
@@ -82,7 +83,7 @@ def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers:
     if name == "patch_embed.weight":
         bound = 1.0 / math.sqrt(shape[1] * shape[2] * shape[3])
         return t.uniform_(-bound, bound, generator=gen)
-    if name in ("pos_embed", "cls_token", "registers"):
+    if name in ("pos_embed", "cls_token", "dist_token", "registers"):
         return torch.nn.init.trunc_normal_(t, std=0.02, generator=gen)
     raise ValueError(f"vitgraph.models.init: no initialisation rule for parameter {name!r}")
 

@@ -21,6 +21,10 @@ itself. CLIP's ``ln_post`` is ``final_norm``: it normalises every token before p
 for the class token is the same as normalising the pooled token. The defaults build the
 classifier unchanged.
 
+DeiT's distillation token (``distill_token``): a second prefix token after the class token
+(then the registers) with its own classifier, ``head_dist``; the output is then both heads'
+logits, [b, 2, classes] (class head first), which the classification task splits or averages.
+
 Native resolution (``pack``, a vitgraph.data.packing.PackSpec): the input is one pack,
 ``(x, coords, seg, cu_seqlens)`` (x [T, 3 p^2] normalised patch rows, the rest as the pack
 layout), and the output one row per image slot, [M, classes | embed_dim | d]. The same
@@ -60,10 +64,11 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def sequence_length(arch, class_token: bool = True, num_registers: int = 0) -> int:
-    """Tokens a ViT of ``arch`` runs on per image (class token, registers, patches), before
-    any padding."""
-    return int(class_token) + num_registers + arch.num_patches()
+def sequence_length(arch, class_token: bool = True, num_registers: int = 0,
+                    distill_token: bool = False) -> int:
+    """Tokens a ViT of ``arch`` runs on per image (class and distillation tokens, registers,
+    patches), before any padding."""
+    return int(class_token) + int(distill_token) + num_registers + arch.num_patches()
 
 
 class ViT(MegatronModule):
@@ -73,7 +78,7 @@ class ViT(MegatronModule):
                  vp_stage: int | None = None, pad_to=None, ln_pre: bool = False,
                  head: str = "classifier", embed_dim: int | None = None,
                  patch_bias: bool = True, pack=None, packed_attention: str = "thd",
-                 pos_interp: str = "bicubic"):
+                 pos_interp: str = "bicubic", distill_token: bool = False):
         super().__init__(config=config)
         # read by megatron's Float16Module to find the first / last virtual stage: without it
         # the first chunk's input stayed fp32 under interleaving and its bf16 conv failed
@@ -82,15 +87,18 @@ class ViT(MegatronModule):
             raise ValueError(f"head={head!r}: classifier | proj | map")
         if head == "proj" and not embed_dim:
             raise ValueError("head='proj' needs embed_dim (the joint embedding width)")
+        if distill_token and (not class_token or pool != "cls" or head != "classifier"):
+            raise ValueError("distill_token needs class_token, pool='cls' and the classifier head")
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.share_embeddings_and_output_weights = False  # read by finalize_model_grads
         # micro-batch -> multiple to pad the token count to (None: never pad); see the docstring
         self.pad_to = pad_to
-        self.seq_len = sequence_length(arch, class_token, num_registers)
+        self.seq_len = sequence_length(arch, class_token, num_registers, distill_token)
         self.arch = arch
         self.pre_process, self.post_process = pre_process, post_process
-        self.num_prefix = int(class_token) + num_registers
+        self.num_prefix = int(class_token) + int(distill_token) + num_registers
         self.class_token, self.num_registers, self.pool = class_token, num_registers, pool
+        self.distill_token = distill_token
         d = arch.hidden_size
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         dtype = config.params_dtype
@@ -99,6 +107,8 @@ class ViT(MegatronModule):
                                                bias=patch_bias, device=device, dtype=dtype)
             if class_token:
                 self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, d, device=device, dtype=dtype))
+            if distill_token:
+                self.dist_token = torch.nn.Parameter(torch.zeros(1, 1, d, device=device, dtype=dtype))
             if num_registers:
                 self.registers = torch.nn.Parameter(
                     torch.zeros(1, num_registers, d, device=device, dtype=dtype))
@@ -128,6 +138,10 @@ class ViT(MegatronModule):
                 self.head = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
                 torch.nn.init.zeros_(self.head.weight)
                 torch.nn.init.zeros_(self.head.bias)
+                if distill_token:
+                    self.head_dist = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
+                    torch.nn.init.zeros_(self.head_dist.weight)
+                    torch.nn.init.zeros_(self.head_dist.bias)
         self.pack = None
         if pack is not None:
             self.use_pack(pack, packed_attention, pos_interp)
@@ -135,6 +149,8 @@ class ViT(MegatronModule):
     def use_pack(self, pack, attention: str = "thd", pos_interp: str = "bicubic") -> None:
         """Take packs of ``pack`` (a PackSpec) from now on (see the module docstring); the
         layers' mask type must suit ``attention``: none for thd, padding for padded."""
+        if self.distill_token:
+            raise ValueError("packs carry one class token an image: no distillation token")
         if pack.num_prefix != self.num_prefix or pack.patch_size != self.arch.patch_size:
             raise ValueError(f"a pack of {pack.num_prefix} prefix tokens and patch "
                              f"{pack.patch_size} for a ViT of {self.num_prefix} and "
@@ -151,8 +167,8 @@ class ViT(MegatronModule):
         self.pad_to = None  # a pack is its own fixed length
 
     def _prefix_params(self):
-        return [p for p in (getattr(self, "cls_token", None), getattr(self, "registers", None))
-                if p is not None]
+        return [p for p in (getattr(self, "cls_token", None), getattr(self, "dist_token", None),
+                            getattr(self, "registers", None)) if p is not None]
 
     def set_input_tensor(self, input_tensor):
         """Pipeline stages after the first take their input from the previous stage."""
@@ -237,6 +253,8 @@ class ViT(MegatronModule):
                 hidden, tensor_parallel_output_grad=False)
         hidden = hidden[: self.seq_len]
         hidden = self.final_norm(hidden)
+        if self.distill_token:  # [b, 2, classes]: the class head's logits, the distillation head's
+            return torch.stack([self.head(hidden[0]), self.head_dist(hidden[1])], dim=1)
         if hasattr(self, "attn_pool"):
             feats = self.attn_pool(hidden[self.num_prefix:].transpose(0, 1))
         elif self.pool == "cls" and self.class_token:

@@ -125,16 +125,27 @@ class ClassificationTask(Task):
             return self._pack_loss(inputs[-1], output)
         _, targets, labels = inputs[:3]
         output = output.float()
+        student = output  # what the distillation loss reads
+        if output.dim() == 3:  # model.distill_token: [b, 2, classes], class head first
+            # DeiT: with a teacher the class head takes the task's loss and the distillation
+            # head the teacher's; otherwise, and for top-1, the heads' average
+            predicted = output.mean(dim=1)
+            if len(inputs) > 3:
+                output, student = output[:, 0], output[:, 1]
+            else:
+                output = predicted
+        else:
+            predicted = output
         valid = labels >= 0  # -1: a sample that only fills an eval microbatch
         n = valid.sum()
         # mixed targets carry the label smoothing already
         smoothing = 0.0 if targets.is_floating_point() else self.cfg.train.label_smoothing
         loss = F.cross_entropy(output, targets, label_smoothing=smoothing, ignore_index=-1)
-        correct = ((output.argmax(-1) == labels) & valid).sum()
+        correct = ((predicted.argmax(-1) == labels) & valid).sum()
         if len(inputs) > 3:  # distillation: the teacher's logits of these images
             from vitgraph.tasks.distill import distill_loss
             dt = self.cfg.train.distill
-            dl = distill_loss(dt.kind, output, inputs[3], dt.temperature, valid)
+            dl = distill_loss(dt.kind, student, inputs[3], dt.temperature, valid)
             task_loss, loss = loss.detach(), (1 - dt.weight) * loss + dt.weight * dl
             return loss, stats(loss.detach().clone() * n, correct, n, task_loss * n,
                                dl.detach() * n)

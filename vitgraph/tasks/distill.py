@@ -133,6 +133,8 @@ class Teacher:
             x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
                               align_corners=False, antialias=True)
         out = self.module(x.to(self.dtype))
+        if out.dim() == 3:  # a teacher with a distillation token: its two heads' average
+            out = out.mean(dim=1)
         return out.float()
 
     @torch.no_grad()
@@ -265,7 +267,7 @@ def _vitgraph_teacher(mcfg, plan, d, num_classes: int, src: str, weights_file=No
         raise ConfigError(f"{KEY}={src!r}: the teacher has {have} classes, the run "
                           f"{num_classes}")
     spec = resolve_spec("auto") if d.cuda else "torch"
-    seq = sequence_length(arch, mcfg.class_token, mcfg.num_registers)
+    seq = sequence_length(arch, mcfg.class_token, mcfg.num_registers, mcfg.distill_token)
     tplan = dataclasses.replace(
         plan, task="classification", arch=arch, pair=None, spec=spec, bf16=d.cuda,
         fp8_recipe=None, sequence_parallel=False, sequence_parallel_tp=1,

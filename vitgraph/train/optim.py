@@ -18,14 +18,15 @@ from vitgraph.parallel import cpu_shims
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
     # biases, norms, tokens and position embeddings: no weight decay (as megatron and timm)
-    return p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "registers"))
+    return p.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "dist_token", "registers"))
 
 
 # ------------------------------------------------------------ layer-wise LR decay (BEiT)
 
 # a tower's parameters that come before its first layer (classifier / image tower: patches,
 # class token, registers, positions, CLIP's ln_pre; text tower: token and position embeddings)
-EMBEDDINGS = ("patch_embed", "cls_token", "registers", "pos_embed", "ln_pre", "token_embed")
+EMBEDDINGS = ("patch_embed", "cls_token", "dist_token", "registers", "pos_embed", "ln_pre",
+              "token_embed")
 
 
 def layer_depths(chunks: list) -> dict[int, tuple[int, int]]:
