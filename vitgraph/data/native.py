@@ -83,10 +83,14 @@ class NativeImages:
 
 
 class ArrayImages(NativeImages):
-    """Images in memory, back to back: ``pixels`` uint8 [sum h*w*3] (the shapes data)."""
+    """Images in memory, back to back: ``pixels`` uint8 [sum h*w*3] (the shapes data).
+    ``keep_rows``: each image's uncropped patch rows are made once and kept (the pixels must
+    not change after; the resize is most of a pack's host time on the CPU demo, and its
+    50,000 images' rows are ~120 MB)."""
 
-    def __init__(self, pixels, sizes, workers: int = 1):
+    def __init__(self, pixels, sizes, workers: int = 1, keep_rows: bool = False):
         super().__init__(sizes, workers)
+        self.keep_rows = keep_rows
         self.pixels = torch.as_tensor(pixels).reshape(-1)
         self._flat = self.pixels.numpy()  # the same memory; numpy slices cost less per image
         nbytes = self.sizes[:, 0] * self.sizes[:, 1] * 3
@@ -94,6 +98,7 @@ class ArrayImages(NativeImages):
         if self.offsets[-1] != self.pixels.numel():
             raise ValueError(f"{self.pixels.numel()} pixel bytes for images of "
                              f"{int(self.offsets[-1])}")
+        self._rows: dict[tuple, torch.Tensor] = {}  # (image, grid, patch) -> its patch rows
 
     def image(self, i: int) -> np.ndarray:
         """Image ``i`` as uint8 [h, w, 3] (a view)."""
@@ -101,8 +106,16 @@ class ArrayImages(NativeImages):
         return self._flat[int(self.offsets[i]):int(self.offsets[i + 1])].reshape(h, w, 3)
 
     def rows(self, i, grid, patch, crop=None):
+        # without a crop an image's rows are the same every epoch (keep_rows: made once)
+        key = None if crop is not None or not self.keep_rows else (
+            int(i), int(grid[0]), int(grid[1]), int(patch))
+        if key is not None and key in self._rows:
+            return self._rows[key]
         target = (grid[0] * patch, grid[1] * patch)
-        return patch_rows(resize_native(self.image(i), target, crop), patch)
+        out = patch_rows(resize_native(self.image(i), target, crop), patch)
+        if key is not None:
+            self._rows[key] = out
+        return out
 
     def encoded(self, i, grid, patch, crop=None):
         return torch.from_numpy(self.image(i).copy())  # decoded already: the device resizes

@@ -122,21 +122,29 @@ def layout(grids: list[tuple[int, int]], spec: PackSpec) -> tuple[torch.Tensor, 
     if len(grids) > spec.max_images:
         raise ValueError(f"{len(grids)} images for a pack of at most {spec.max_images}")
     T, M, P = spec.tokens, spec.max_images, spec.num_prefix
-    coords = torch.zeros(T, 4, dtype=torch.int64)
-    seg = torch.full((T,), M, dtype=torch.int64)
-    bounds, offsets, at = [0], [], 0
-    for i, (gh, gw) in enumerate(grids):
-        n = P + gh * gw
-        if at + n > T:
-            raise ValueError(f"images of {at + n} tokens overflow a pack of {T}")
-        seg[at:at + n] = i
-        coords[at:at + n, 2], coords[at:at + n, 3] = gh, gw
-        coords[at:at + P, 0] = -1 - torch.arange(P)
-        r = torch.arange(gh * gw)
-        coords[at + P:at + n, 0], coords[at + P:at + n, 1] = r // gw, r % gw
-        offsets.append(at + P)
-        at += n
-        bounds.append(at)
+    # as arrays (a Python loop of tensor ops per image cost ~3 ms of a CPU demo's pack)
+    g = np.asarray(grids, dtype=np.int64).reshape(-1, 2)
+    n = P + g[:, 0] * g[:, 1]
+    ends = np.cumsum(n)
+    if len(ends) and ends[-1] > T:
+        first = int(np.argmax(ends > T))
+        raise ValueError(f"images of {int(ends[first])} tokens overflow a pack of {T}")
+    starts = ends - n
+    used = int(ends[-1]) if len(ends) else 0
+    c = np.zeros((T, 4), dtype=np.int64)
+    sg = np.full(T, M, dtype=np.int64)
+    if used:
+        sg[:used] = np.repeat(np.arange(len(n)), n)
+        within = np.arange(used) - np.repeat(starts, n)  # place in the image's run
+        gh, gw = np.repeat(g[:, 0], n), np.repeat(g[:, 1], n)
+        r = within - P
+        prefix = r < 0
+        c[:used, 0] = np.where(prefix, -1 - within, r // gw)
+        c[:used, 1] = np.where(prefix, 0, r % gw)
+        c[:used, 2], c[:used, 3] = gh, gw
+    coords, seg = torch.from_numpy(c), torch.from_numpy(sg)
+    offsets = (starts + P).tolist()
+    bounds, at = [0, *ends.tolist()], used
     while at < T:  # padding, in runs no longer than an image's longest
         at = min(at + spec.max_len, T)
         bounds.append(at)

@@ -614,8 +614,8 @@ def build_shapes(data_cfg, seed: int, native: bool = False):
         pixels = torch.from_numpy(np.ascontiguousarray(arrays[0]))
         if native:
             from vitgraph.data.native import ArrayImages, NativeDataset
-            out.append(NativeDataset(ArrayImages(pixels, arrays[1], data_cfg.workers), labels,
-                                     CLASSES[:data_cfg.num_classes], captions,
+            images = ArrayImages(pixels, arrays[1], data_cfg.workers, keep_rows=True)
+            out.append(NativeDataset(images, labels, CLASSES[:data_cfg.num_classes], captions,
                                      caption_variants=variants))
         else:
             out.append(ImageDataset(pixels, labels, CLASSES[:data_cfg.num_classes], captions,

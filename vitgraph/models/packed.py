@@ -39,6 +39,33 @@ def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].contiguous(), pos, right=True)
 
 
+class _Gather(torch.autograd.Function):
+    """``x.index_select(0, idx)`` (times ``mask`` [n] when given) whose backward is the
+    gather ``(back_idx, back_mask)`` instead of a scatter: for two maps that invert each
+    other where the gradients are not zero (segment_attention's token -> row place and row
+    place -> token), the same numbers as indexing's accumulating scatter (index_put), which
+    on CPU cost as much as the attention itself; deterministic and atomic-free anywhere."""
+
+    @staticmethod
+    def forward(ctx, x, idx, mask, back_idx, back_mask):
+        ctx.save_for_backward(idx, mask, back_idx, back_mask)
+        return _take(x, idx, mask)
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, mask, back_idx, back_mask = ctx.saved_tensors
+        return _Gather.apply(grad, back_idx, back_mask, idx, mask), None, None, None, None
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    # rows of a contiguous 2-D view: index_select of a strided [T, h, d] (a slice of the
+    # QKV projection, a permuted gradient) ran ~20x slower on CPU than a copy and this
+    out = x.reshape(x.shape[0], -1).index_select(0, idx)
+    if mask is not None:
+        out = out * mask[:, None]
+    return out.view(idx.shape[0], *x.shape[1:])
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens: torch.Tensor, max_len: int, dropout: float = 0.0,
                       scale: float | None = None, rows: int | None = None) -> torch.Tensor:
@@ -52,25 +79,35 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``rows``: only the first this many segments are computed, the tokens of later ones get
     zeros. A pack's images are its first segments (vitgraph.data.packing.layout), so with
     rows = max_images only its padding runs are skipped: their outputs are never read (a
-    third of the segments, and of the attention time, in that CPU config)."""
+    third of the segments, and of the attention time, in that CPU config).
+
+    The two gathers (tokens -> rows, rows -> tokens) are each other's backward (``_Gather``):
+    a row's tail and the tokens past the last row get zero gradients, as by indexing."""
     T = q.shape[0]
     if rows is not None:
         cu_seqlens = cu_seqlens[:rows + 1]
     starts = cu_seqlens[:-1].long()
     lens = cu_seqlens[1:].long() - starts
+    S = starts.shape[0]
     j = torch.arange(max_len, device=q.device)
     valid = j[None, :] < lens[:, None]  # [S, L]
-    idx = torch.where(valid, starts[:, None] + j[None, :], 0).clamp_(max=T - 1)
-    rows = [t[idx].permute(0, 2, 1, 3) for t in (q, k, v)]  # [S, h, L, d]
+    idx = torch.where(valid, starts[:, None] + j[None, :], 0).clamp_(max=T - 1).view(-1)
+    seg = segment_ids(cu_seqlens, T)  # S for tokens after the last row
+    inside = seg < S
+    seg = seg.clamp(max=S - 1)
+    pos = (torch.arange(T, device=q.device) - starts[seg]).clamp_(0, max_len - 1)
+    place = seg * max_len + pos  # each token's place among the S x L row entries
+    keep_token = inside.to(q.dtype)
+    keep_place = valid.view(-1).to(q.dtype)
+    rows_ = [_Gather.apply(t, idx, None, place, keep_token)
+             .view(S, max_len, *t.shape[1:]).permute(0, 2, 1, 3) for t in (q, k, v)]
     # an empty segment's row attends to its (unused) tail rather than to nothing (0 / 0)
     keep = (valid | ~valid.any(-1, keepdim=True))[:, None, None, :]
-    out = F.scaled_dot_product_attention(*rows, attn_mask=keep, dropout_p=dropout, scale=scale)
-    seg = segment_ids(cu_seqlens, T)  # len(starts) for tokens after the last row
-    inside = seg < len(starts)
-    seg = seg.clamp(max=len(starts) - 1)
-    pos = (torch.arange(T, device=q.device) - starts[seg]).clamp_(0, max_len - 1)
-    out = out.permute(0, 2, 1, 3)[seg, pos]  # [T, h, d]
-    return out if rows is None else out * inside[:, None, None]
+    out = F.scaled_dot_product_attention(*rows_, attn_mask=keep, dropout_p=dropout,
+                                         scale=scale)
+    heads, dim = out.shape[1], out.shape[3]
+    out = out.permute(0, 2, 1, 3).reshape(S * max_len, heads, dim)
+    return _Gather.apply(out, place, keep_token, idx, keep_place)  # [T, h, d]
 
 
 def block_diagonal(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
