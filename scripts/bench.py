@@ -648,8 +648,10 @@ def bench_timm_naflex(model: str, grids: list, max_patches: int, compile_mode: s
     net = net.to(dev).train()
     p = net.embeds.patch_size[0]
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=dev == "cuda")
+    # every step has the same shapes (batch, max_patches): static shapes, so compile does not
+    # turn to dynamic ones, with which timm's NaFlexVit failed at max_patches 1024
     fwd = net if compile_mode is None else torch.compile(
-        net, mode=None if compile_mode == "default" else compile_mode)
+        net, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
     pixels = _Pixels(3 * p * p, seed)
     labels = torch.randint(0, num_classes, (len(grids),), generator=torch.Generator().manual_seed(seed))
     batches, counts = [], []

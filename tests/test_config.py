@@ -333,20 +333,17 @@ def test_the_l16_config_is_the_b16_config_with_its_own_differences():
     (["parallel.distributed_optimizer=false"], "optim.offload_fraction=0.5.*distributed_optimizer"),
     (["graphs.enabled=true", "graphs.scope=step"], "optim.offload_fraction=0.5.*graphs.scope=step"),
     (["train.ema.decay=0.999"], "optim.offload_fraction=0.5.*train.ema"),
-    ([], "optim.offload_fraction=0.5.*checkpoint.save=false"),
 ])
 def test_optimizer_offload_names_what_it_cannot_serve(over, match):
-    save = [] if not over else ["checkpoint.save=false"]
     with pytest.raises(ConfigError, match=match):
-        load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
-                    ["optim.offload_fraction=0.5", *save, *over])
+        load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["optim.offload_fraction=0.5", *over])
 
 
 def test_graphs_auto_takes_layer_graphs_with_an_offloaded_optimizer():
     from vitgraph.config import graph_constraints
     from vitgraph.graphs.auto import choose_graphs
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
-                      ["optim.offload_fraction=0.5", "checkpoint.save=false"])
+                      ["optim.offload_fraction=0.5"])
     path = choose_graphs(cfg.graphs, True, **graph_constraints(cfg))
     assert path.config.enabled and path.config.scope == "layer" and "offload" in path.reason
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml")

@@ -752,12 +752,6 @@ def validate(cfg: Config, src: str = "<config>", data: bool = True) -> None:
         if t.ema.decay is not None:
             err("optim.offload_fraction", cfg.optim.offload_fraction, "not with train.ema: the "
                 "EMA follows the fp32 master weights, which megatron's CPU optimizer keeps")
-        if cfg.checkpoint.save:
-            # its state holds pickled optimizer classes (torch.load with weights_only refuses
-            # them) and, loaded past that, the resumed curve departs from the uninterrupted one
-            err("optim.offload_fraction", cfg.optim.offload_fraction, "its checkpoints cannot "
-                "be resumed yet (megatron's CPU optimizer state does not load back exactly): "
-                "set checkpoint.save=false, or offload nothing")
     if p.sequence_parallel and p.tp == 1:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if t.precision == "fp8" and cfg.model.spec == "torch":

@@ -31,7 +31,8 @@ from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
                                     graphs_line, train_line)
-from vitgraph.train.optim import build_optimizer, build_scheduler, freeze_rules
+from vitgraph.train.optim import (allocate_offloaded_state, build_optimizer, build_scheduler,
+                                   freeze_rules, offload_pickled_classes)
 from vitgraph.train.preempt import Preempted, StopRequests
 from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
 
@@ -297,7 +298,10 @@ class Trainer:
         if path is None:
             return
         with_ema = self.ema is not None and checkpoint.holds_ema(path)
-        state = checkpoint.load(path, self.d, self.sharded_state(is_loading=True, ema=with_ema))
+        allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
+        template = self.sharded_state(is_loading=True, ema=with_ema)
+        with torch.serialization.safe_globals(offload_pickled_classes()):
+            state = checkpoint.load(path, self.d, template)
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])

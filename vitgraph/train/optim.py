@@ -527,6 +527,26 @@ def _copy_weights_in_one_kernel(optimizer) -> None:
             part._copy_main_params_to_model_params = lambda part=part: float16_copy(part)
 
 
+def allocate_offloaded_state(optimizer) -> None:
+    """Give megatron's CPU-offloading optimizer (optim.offload_fraction) its state before a
+    checkpoint is loaded: without one, its load_state_dict allocates it by a step on random
+    gradients whose copy back overwrites the weights the checkpoint load has just filled in
+    place (the resumed run then departs from the uninterrupted one)."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(part, "optimizer", None)
+        if isinstance(inner, HybridDeviceOptimizer) and not inner.state:
+            inner.dummy_step()
+
+
+def offload_pickled_classes() -> list:
+    """The optimizer classes megatron's CPU-offloading optimizer keeps in its param groups,
+    and so pickles into a checkpoint: a resume (offloaded or not) lets torch.load, which
+    refuses classes under weights_only, take exactly these."""
+    from megatron.core import optimizer as mo
+    return sorted({mo.Adam, mo.SGD, mo.CPUAdam, mo.CPUSGD}, key=repr)
+
+
 def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
     """``chunks``: this rank's (wrapped) model chunks; ``plan`` (vitgraph.plan.Plan): the
     device and the graph path; ``o``: the ``optim:`` section; ``distributed``: megatron's
