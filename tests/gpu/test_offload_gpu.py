@@ -6,7 +6,7 @@ import torch
 
 import test_train_gpu as train_gpu
 from test_train_gpu import batches
-from test_step_graphs_gpu import run_steps
+from test_step_graphs_gpu import whole_and_resumed
 
 pytestmark = pytest.mark.gpu
 
@@ -48,25 +48,12 @@ def test_offloaded_optimizer_trains_the_curve_and_holds_less(tmp_path):
 def test_offloaded_optimizer_checkpoint_resumes_the_curve(tmp_path, resume_offload):
     """Saved at step 6 with half the optimizer on the CPU (both of megatron's sub-optimizers
     hold state), resumed with the same share or with none: steps 7-12 as without the stop."""
-    over = ["train.global_batch_size=16", "train.micro_batch_size=8", "checkpoint.save=true",
-            "graphs.enabled=false"]
-    t = train_gpu.make_trainer(tmp_path, *BASE, *over, "optim.offload_fraction=0.5")
-    try:
-        first = run_steps(t, 0, 6)
-        t.save()
-        whole = first + run_steps(t, 6, 12)
-    finally:
-        t.close(shutdown_dist=False)
-    t = train_gpu.make_trainer(tmp_path, *BASE, *over, f"optim.offload_fraction={resume_offload}")
-    try:
-        t.maybe_resume()
-        assert t.step == 6
-        resumed = run_steps(t, 6, 12)
-    finally:
-        t.close(shutdown_dist=False)
+    over = [*BASE, "train.global_batch_size=16", "train.micro_batch_size=8",
+            "checkpoint.save=true", "graphs.enabled=false"]
+    whole, resumed, _ = whole_and_resumed(tmp_path, [*over, "optim.offload_fraction=0.5"],
+                                          [*over, f"optim.offload_fraction={resume_offload}"])
     # step 7 runs on the loaded weights: equal. The same CPU Adam from the same state: then
     # rounding (within 2e-4 over steps 8-12 on an H200); TE's fused Adam for the other half
     tol = 1e-3 if resume_offload == 0.5 else 2e-2
-    print("resumed", resumed, "\nwhole", whole[6:])
     assert resumed[0] == whole[6]
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(whole[6:]), rtol=tol, atol=0)

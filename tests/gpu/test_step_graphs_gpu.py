@@ -85,23 +85,31 @@ def test_fp8_step_graphs_equal_fp8_eager(tmp_path):
     assert curve == pytest.approx(ref, rel=1e-5), (curve, ref)
 
 
-def test_step_graphs_capture_again_after_a_checkpoint_load(tmp_path):
-    over = [*TWO_MICROBATCHES, *STEP, "graphs.warmup_steps=2"]
-    t = make_trainer(tmp_path, *over)
+def whole_and_resumed(tmp_path, first_over, resume_over):
+    """Steps 1-12 of a run under ``first_over``, saved after step 6, and steps 7-12 of a run
+    resumed from that checkpoint under ``resume_over``: (whole, resumed, the resumed run's
+    graph stats), each step's (loss, grad norm)."""
+    t = make_trainer(tmp_path, *first_over)
     try:
         first = run_steps(t, 0, 6)
         t.save()
         whole = first + run_steps(t, 6, 12)
     finally:
         t.close(shutdown_dist=False)
-    t = make_trainer(tmp_path, *over)
+    t = make_trainer(tmp_path, *resume_over)
     try:
         t.maybe_resume()
         assert t.step == 6
         resumed = run_steps(t, 6, 12)
-        assert t.graphs.stats()["captures"] == 1  # warmed up again, then captured
+        return whole, resumed, t.graphs.stats()
     finally:
         t.close(shutdown_dist=False)
+
+
+def test_step_graphs_capture_again_after_a_checkpoint_load(tmp_path):
+    over = [*TWO_MICROBATCHES, *STEP, "graphs.warmup_steps=2"]
+    whole, resumed, stats = whole_and_resumed(tmp_path, over, over)
+    assert stats["captures"] == 1  # warmed up again, then captured
     assert resumed == pytest.approx(whole[6:], rel=1e-5)
 
 
