@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Hold `vitgraph plan` against measured peaks on this GPU: fails unless each is within 10%.
 
-    python scripts/plan_check.py [CONFIG ...] [--bench FILE.json ...] [--out FILE.json]
+    python scripts/plan_check.py [CONFIG ...] [--bench FILE.json ...] [--set K=V ...] [--out FILE.json]
     scripts/gpu_check.sh plan          # every bundled GPU config, logs under $OUT
 
 A config runs its header's smoke command (scripts/smoke_configs.py; without one: the embedded
@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--bench", nargs="*", type=Path, default=[], help="bench.py JSON files")
     ap.add_argument("--steps", type=int, default=12, help="training steps of each config's run")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--set", nargs="*", default=[], metavar="K=V",
+                    help="overrides added to every config's run and plan (e.g. parallel.fsdp=true)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     configs = args.configs if (args.configs or args.bench) else sorted(
@@ -102,7 +104,8 @@ def main() -> int:
     for path in configs:
         path = path.resolve()
         spec = smoke_spec(path)
-        todo.append((path.name, path, spec[0][1:] if spec else shapes_run(path), None))
+        todo.append((path.name, path, [*(spec[0][1:] if spec else shapes_run(path)), *args.set],
+                     None))
     for b in args.bench:
         todo.extend((name, BENCH_BASE, over, m) for name, over, m in bench_rows(b))
     for name, path, over, meas in todo:

@@ -365,3 +365,27 @@ def test_big_tower_configs_carry_a_smoke_command_that_asks_the_loss_to_fall():
         over, ask = smoke_spec(ROOT / "configs" / f"{name}-imagefolder.yaml")
         assert ask == 0 and "checkpoint.save=false" in over
     assert smoke_spec(ROOT / "configs" / "vit-b16-imagefolder.yaml")[1] == pytest.approx(0.20)
+
+
+FSDP = ["parallel.fsdp=true", "parallel.distributed_optimizer=false"]
+
+
+@pytest.mark.parametrize("over,match", [
+    (["parallel.fsdp=true"], "parallel.fsdp=True.*distributed_optimizer=false"),
+    ([*FSDP, "graphs.enabled=true"], "parallel.fsdp=True.*CUDA graphs"),
+    ([*FSDP, "parallel.pp=2"], "parallel.fsdp=True.*parallel.pp=1"),
+    # megatron offloads the distributed optimizer's state, which FSDP replaces
+    ([*FSDP, "optim.offload_fraction=0.5"], "optim.offload_fraction=0.5.*distributed_optimizer"),
+    ([*FSDP, "train.ema.decay=0.999"], "train.ema.decay=0.999.*parallel.fsdp"),
+])
+def test_fsdp_names_what_it_cannot_serve(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", over)
+
+
+def test_graphs_auto_runs_fsdp_eagerly():
+    from vitgraph.config import graph_constraints
+    from vitgraph.graphs.auto import choose_graphs
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", FSDP)
+    path = choose_graphs(cfg.graphs, True, **graph_constraints(cfg))
+    assert not path.config.enabled and "parallel.fsdp" in path.reason

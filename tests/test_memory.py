@@ -148,3 +148,24 @@ def test_cli_json_of_a_folder_config_needs_no_folder():
 def test_cli_names_a_bad_layout():
     r = _plan(G14, "parallel.tp=3", "--gpus", "8")
     assert r.returncode == 2 and "parallel.tp" in r.stderr
+
+
+def test_fsdp_shards_weights_gradients_and_state_over_dp(g14):
+    cfg = _cfg(G14, "train.global_batch_size=1024")
+    n = sum(q.numel for q in g14.params)
+    layer = sum(q.numel for q in g14.params if q.layer == 0)
+    one = plan_memory(cfg, g14, Layout(dp=8, distributed_optimizer=False)).stages[0]
+    fsdp = plan_memory(cfg, g14, Layout(dp=8, distributed_optimizer=False, fsdp=True)).stages[0]
+    # bf16 pieces of the weights and gradients, plus two whole layers gathered and one
+    # layer's whole gradient
+    assert fsdp.weights == pytest.approx(2 * n / 8 + 2 * 2 * layer, rel=1e-6)
+    assert fsdp.grads == pytest.approx(2 * n / 8 + 2 * layer, rel=1e-6)
+    assert fsdp.optimizer == pytest.approx(one.optimizer / 8, rel=1e-6)
+    assert fsdp.activations == one.activations
+
+
+def test_cli_offers_fsdp_where_it_fits():
+    r = _plan(ROOT / "configs" / "vit-6b-imagefolder.yaml", "--gpu-mem", "40")
+    assert r.returncode == 1, r.stderr
+    would = r.stdout.split("would fit: ")[1]
+    assert "parallel.fsdp=true on 4 data-parallel ranks" in would, would

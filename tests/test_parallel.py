@@ -62,6 +62,11 @@ LAYOUTS = {
     "pp2-vpp2-step-graphs": (2, ["parallel.pp=2", "parallel.vpp=2", "graphs.enabled=true",
                                  "graphs.scope=step", "graphs.warmup_steps=2"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    # FSDP2 over gloo: weights, gradients and AdamW state in pieces over dp (uneven ones too:
+    # the class token and the position grid have one row)
+    "dp2-fsdp": (2, ["parallel.fsdp=true", "parallel.distributed_optimizer=false"]),
+    "tp2-sp-dp2-fsdp": (4, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                            "parallel.fsdp=true", "parallel.distributed_optimizer=false"]),
     # megatron's block checkpoints each stage's layers under both pipeline schedules
     "pp2-1f1b-recompute-full": (2, ["parallel.pp=2", "train.recompute=full"]),
     "pp2-vpp2-recompute-block-graphs": (2, ["parallel.pp=2", "parallel.vpp=2",
@@ -96,6 +101,30 @@ def test_checkpoint_resumes_at_another_layout(tmp_path, env, reference):
     (run_dir / "metrics.json").unlink(missing_ok=True)
     (run_dir / "log.jsonl").unlink()
     got = torchrun(env, 2, run_dir, "parallel.tp=2", "parallel.sequence_parallel=true")
+    assert min(got) == 6
+    assert_same_curve(got, reference, steps=list(range(6, STEPS + 1)))
+
+
+FSDP = ["parallel.fsdp=true", "parallel.distributed_optimizer=false"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("saved,resumed", [
+    ((2, FSDP), (2, ["parallel.distributed_optimizer=false"])),
+    ((1, ["parallel.distributed_optimizer=false"]), (2, FSDP)),
+], ids=["fsdp-to-ddp", "one-to-fsdp"])
+def test_checkpoint_resumes_across_fsdp(tmp_path, env, reference, saved, resumed):
+    """A checkpoint written by FSDP's pieces is the one a plain run writes: saved with
+    parallel.fsdp and resumed without it, or the other way, the resumed steps continue the
+    one-process curve (weights and AdamW state put back exactly)."""
+    run_dir = tmp_path / "run"
+    torchrun(env, saved[0], run_dir, *saved[1], "checkpoint.every=5", "checkpoint.keep=5")
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / f"step_{STEPS:06d}")
+    (ckpts / "latest").write_text("step_000005\n")
+    (run_dir / "metrics.json").unlink(missing_ok=True)
+    (run_dir / "log.jsonl").unlink()
+    got = torchrun(env, resumed[0], run_dir, *resumed[1])
     assert min(got) == 6
     assert_same_curve(got, reference, steps=list(range(6, STEPS + 1)))
 

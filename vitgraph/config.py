@@ -290,6 +290,14 @@ class ParallelConfig:
     # Fixed for a run: megatron names the fp32 master weights differently with and without it
     # (param / fp32_param), so its checkpoints do not load across that switch (seen on the H200)
     distributed_optimizer: bool = True
+    # fully sharded data parallel: parameters, gradients and optimizer state split over the
+    # data-parallel ranks (megatron-core's TorchFullyShardedDataParallel, PyTorch FSDP2), each
+    # layer's weights gathered just before it runs; for towers whose weights and optimizer do
+    # not fit per GPU. Eager (no graphs: the gathers allocate as they go), pp=1, no EMA and
+    # no offload; needs distributed_optimizer=false (FSDP shards the optimizer state itself).
+    # Checkpoints are the same as without it: a run may resume with it switched either way
+    # (both sides with distributed_optimizer=false)
+    fsdp: bool = key(False, resume_ok=True)
     # GPU: reduce gradient buckets during the backward pass
     overlap_grad_reduce: bool = key(True, resume_ok=True)
     # GPU: gradients kept, accumulated over microbatches and reduced across ranks in fp32
@@ -637,7 +645,25 @@ def random_layer_keys(cfg: Config) -> dict:
 def graph_constraints(cfg: Config) -> dict:
     """What of the config limits the graph path (vitgraph.graphs.auto.choose_graphs)."""
     return dict(recompute=cfg.train.recompute, random_layers=bool(random_layer_keys(cfg)),
-                host_optimizer=cfg.optim.offload_fraction > 0)
+                host_optimizer=cfg.optim.offload_fraction > 0, fsdp=cfg.parallel.fsdp)
+
+
+def _validate_fsdp(cfg: Config, graphs: bool, err) -> None:
+    p = cfg.parallel
+    if p.distributed_optimizer:
+        err("parallel.fsdp", True, "shards the optimizer state itself: set "
+            "parallel.distributed_optimizer=false with it")
+    if graphs:
+        # FSDP2 gathers each layer's weights into memory it allocates and frees as it goes:
+        # a replayed graph would read freed addresses
+        err("parallel.fsdp", True, "not under CUDA graphs (graphs.enabled=true): use "
+            "graphs.enabled=auto or false, which run it eagerly")
+    if p.pp > 1:
+        err("parallel.fsdp", True, f"needs parallel.pp=1 (got {p.pp}): not built for pipeline "
+            "stages yet")
+    if cfg.train.ema.decay is not None:
+        err("train.ema.decay", cfg.train.ema.decay, "not with parallel.fsdp (the EMA is "
+            "kept per optimizer layout and has no FSDP layout yet)")
 
 
 def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
@@ -754,6 +780,8 @@ def validate(cfg: Config, src: str = "<config>", data: bool = True) -> None:
                 "EMA follows the fp32 master weights, which megatron's CPU optimizer keeps")
     if p.sequence_parallel and p.tp == 1:
         err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
+    if p.fsdp:
+        _validate_fsdp(cfg, graphs, err)
     if t.precision == "fp8" and cfg.model.spec == "torch":
         err("train.precision", "fp8", "FP8 needs Transformer Engine layers (model.spec=te or auto on a GPU)")
     if t.precision == "fp8" and graphs and cfg.graphs.impl != "te" \

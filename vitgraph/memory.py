@@ -7,7 +7,10 @@ megatron attributes and layer index). The rest is counted from the layout:
 * weights (bf16 or fp32), megatron DDP's gradient buffer (fp32 with
   parallel.grad_reduce_in_fp32), the optimizer's fp32 master weights and Adam moments
   (sharded over dp by the distributed optimizer; the offloaded share off the GPU),
-  train.ema's fp32 copy (sharded as the optimizer is);
+  train.ema's fp32 copy (sharded as the optimizer is); with parallel.fsdp weights, gradients
+  (in the weights' dtype: no DDP buffer) and optimizer state all over dp, plus the whole
+  weights of two layers (the one running and the one gathered ahead) and one layer's whole
+  gradient before its reduce-scatter (not yet measured on a GPU);
 * activations: what autograd keeps per encoder layer and token (TE's layers, flash
   attention: no per-pair terms) times the microbatches in flight on the stage (1F1B:
   pp - stage; interleaved: megatron's warm-up count), less what train.recompute drops, plus
@@ -44,6 +47,7 @@ class Layout:
     dp: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
+    fsdp: bool = False  # parallel.fsdp: weights, gradients and optimizer state over dp
 
     @property
     def gpus(self) -> int:
@@ -51,7 +55,8 @@ class Layout:
 
     def name(self) -> str:
         s = f"tp{self.tp} pp{self.pp}" + (f" vpp{self.vpp}" if self.vpp > 1 else "")
-        return s + f" dp{self.dp}" + (" sp" if self.sequence_parallel else "")
+        return (s + f" dp{self.dp}" + (" sp" if self.sequence_parallel else "")
+                + (" fsdp" if self.fsdp else ""))
 
 
 @dataclass(frozen=True)
@@ -308,9 +313,15 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
             k = q.numel // layout.tp if q.split else q.numel
             n += k
             n_tr += k if q.trainable else 0
-        shard = layout.dp if layout.distributed_optimizer else 1
+        shard = layout.dp if layout.distributed_optimizer or layout.fsdp else 1
         weights = n * (2 if bf16 else 4) + (2 * n if step_fp8 else 0)
         grads = n_tr * (4 if (p.grad_reduce_in_fp32 or not bf16) else 2)
+        if layout.fsdp:
+            layer = max(sum(q.numel // layout.tp if q.split else q.numel
+                            for q in model.params if q.layer == i and q.layer // per_chunk in mine)
+                        for i in range(model.num_layers))
+            weights = -(-n // layout.dp) * (2 if bf16 else 4) + 2 * layer * (2 if bf16 else 4)
+            grads = (-(-n_tr // layout.dp) + layer) * (2 if bf16 else 4)
         state = n_tr * ((4 if bf16 else 0) + 8) / shard
         optimizer = int(state * (1 - offload))
         ema = int(n_tr * 4 / shard) if t.ema.decay is not None else 0
@@ -350,7 +361,7 @@ def _padded(seq: int, mb: int, layout: Layout, fp8: bool) -> int:
 def layout_of(cfg, gpus: int) -> Layout:
     p = cfg.parallel
     return Layout(p.tp, p.pp, p.vpp, max(1, gpus // (p.tp * p.pp)), p.sequence_parallel,
-                  p.distributed_optimizer)
+                  p.distributed_optimizer, p.fsdp)
 
 
 def largest_micro_batch(cfg, model: Model, layout: Layout, budget: int, recompute=None,
@@ -388,17 +399,26 @@ def alternatives(cfg, model: Model, layout: Layout, budget: int) -> list[str]:
             tries.append((f"parallel.pp={pp}", replace(layout, pp=pp), None))
             break
     for dp in (2, 4, 8, 16, 32, 64):
-        if dp > layout.dp:
+        if dp > layout.dp and not layout.fsdp:
             tries.append((f"{dp} data-parallel ranks (the distributed optimizer shards its "
                           "state over them)", replace(layout, dp=dp, distributed_optimizer=True),
                           None))
-    found = []
+    if layout.pp == 1:  # FSDP: weights and gradients over dp too
+        for dp in (2, 4, 8, 16, 32, 64):
+            if dp >= layout.dp and (dp > layout.dp or not layout.fsdp):
+                tries.append((f"parallel.fsdp=true on {dp} data-parallel ranks",
+                              replace(layout, dp=dp, fsdp=True, distributed_optimizer=False),
+                              None))
+    found, done = [], set()
     for what, lay, rc in tries:
+        more_dp = lay.dp != layout.dp or lay.fsdp != layout.fsdp
+        if more_dp and lay.fsdp in done:
+            continue  # the smallest dp that fits is enough, with FSDP and without
         plan = plan_memory(cfg, model, lay, mb, rc)
         if plan.peak <= budget:
             found.append(f"{what}: {plan.peak_gib:.1f} GiB at micro-batch {mb}")
-            if lay.dp != layout.dp:
-                break  # the smallest dp that fits is enough
+            if more_dp:
+                done.add(lay.fsdp)
     return found
 
 

@@ -45,6 +45,7 @@ class Plan:
     pos_interp: str = "bicubic"  # how a pack's images resample the position grid
     # train.recompute as megatron's TransformerConfig takes it (vitgraph.models.build)
     recompute: "Recompute" = None
+    fsdp: bool = False  # parallel.fsdp: weights, gradients and optimizer state sharded over dp
 
     @property
     def native(self) -> bool:
@@ -157,4 +158,5 @@ def resolve_plan(cfg: Config, d: Dist) -> Plan:
                 sequence_parallel_tp=p.tp if p.sequence_parallel else 1,
                 fused_norm=use_fused_norm(m.fused_norm, fp8, tokens) and t.recompute != "full",
                 graphs=graphs, dp=d.dp, cuda=d.cuda, p2p=p2p, pack=pack,
-                pos_interp=resolve_pos_interp(m), recompute=recompute_plan(cfg, d))
+                pos_interp=resolve_pos_interp(m), recompute=recompute_plan(cfg, d),
+                fsdp=p.fsdp)

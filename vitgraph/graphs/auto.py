@@ -53,11 +53,12 @@ class GraphPath:
 
 def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
                   fp8_recipe: str = "current", tp: int = 1, *, recompute: str = "none",
-                  random_layers: bool = False, host_optimizer: bool = False) -> GraphPath:
+                  random_layers: bool = False, host_optimizer: bool = False,
+                  fsdp: bool = False) -> GraphPath:
     """The path for a run with ``graphs`` on a machine with (``cuda``) or without a GPU.
     ``recompute``: train.recompute; ``random_layers``: the layers draw random masks (drop path,
     dropout); ``host_optimizer``: part of the optimizer steps on the CPU
-    (optim.offload_fraction)."""
+    (optim.offload_fraction); ``fsdp``: parallel.fsdp (weights gathered as the step runs)."""
     if graphs.enabled is True or graphs.enabled is False:
         return GraphPath(graphs, f"graphs.enabled={str(graphs.enabled).lower()} in the config")
 
@@ -67,6 +68,10 @@ def choose_graphs(graphs: GraphsConfig, cuda: bool, precision: str = "bf16",
     if not cuda:
         return GraphPath(path(enabled=False), "graphs.enabled=auto: no CUDA device (graphs "
                                               "need one), eager")
+    if fsdp:
+        return GraphPath(path(enabled=False), "graphs.enabled=auto: eager: parallel.fsdp "
+                                              "gathers each layer's weights into memory it "
+                                              "allocates as the step runs")
     if recompute != "none" and random_layers:
         return GraphPath(path(enabled=False), f"graphs.enabled=auto: eager: train.recompute="
                                               f"{recompute} with random masks in the layers (drop "

@@ -91,8 +91,9 @@ def transformer_config(plan, model_cfg, d) -> TransformerConfig:
         apply_rope_fusion=False, persist_layer_norm=False,
         **recompute_kwargs(getattr(plan, "recompute", None)),
         cuda_graph_scope=[],  # the whole layer: megatron's default, "full", warns it is deprecated
+        # (not under FSDP: its gradients are sharded DTensors, TE's fused wgrad writes main_grad)
         gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion and d.cuda
-        and plan.spec == "te",
+        and plan.spec == "te" and not getattr(plan, "fsdp", False),
         **plan.p2p,
     )
 

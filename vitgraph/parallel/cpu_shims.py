@@ -11,7 +11,8 @@ megatron-core assumes CUDA in a few places that a ViT training step touches:
 - sequence parallel's all-gather buffer (``GlobalMemoryBuffer``) is made on
   ``torch.cuda.current_device()``;
 - dist_checkpointing's save path synchronizes CUDA and builds its consistency-check tensors
-  on ``torch.cuda.current_device()``.
+  on ``torch.cuda.current_device()``;
+- its FSDP wrapper (``TorchFullyShardedDataParallel``) builds its device mesh for "cuda".
 Each shim swaps the module-level ``torch`` name of one megatron module for a proxy that maps
 those calls to the CPU, so the real ``torch`` is untouched for everyone else.
 """
@@ -85,6 +86,15 @@ class _NoForkTracker:
         return True
 
 
+class _CpuDeviceMesh:
+    """Stands in for ``DeviceMesh`` in megatron's FSDP wrapper: its mesh on the CPU (gloo)."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+
 def _cpu_manual_seed(seed, *args, **kwargs):
     torch.manual_seed(seed)
 
@@ -118,6 +128,8 @@ def install() -> bool:
     tp_random._get_cuda_rng_state = lambda *a, **k: None
     tp_random._set_cuda_rng_state = lambda *a, **k: None
     tensor_parallel.model_parallel_cuda_manual_seed = _cpu_manual_seed
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp
+    fsdp.DeviceMesh = _CpuDeviceMesh
     _installed = True
     return True
 
@@ -126,16 +138,26 @@ def clip_grad_norm(params, max_norm: float, model_parallel_group) -> float:
     """Global L2 grad norm over the model-parallel group, clipped to ``max_norm`` (0: no clip).
 
     The CPU stand-in for megatron's ``clip_grad_norm_fp32``: tensor-parallel duplicates
-    (replicated params) are counted once, as megatron does.
+    (replicated params) are counted once, as megatron does; FSDP's gradient pieces
+    (DTensors) are summed over their data-parallel mesh.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    grads = [p.grad for p in params if p.grad is not None]
+    from vitgraph.parallel.fsdp import is_dtensor, local
+    grads = [local(p.grad) for p in params if p.grad is not None]
     counted = [p.grad for p in params
                if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
     sq = torch.zeros(1, dtype=torch.float64)
     for g in counted:
-        sq += g.double().pow(2).sum()
+        if not is_dtensor(g):
+            sq += g.double().pow(2).sum()
+    sharded = [g for g in counted if is_dtensor(g)]  # parallel.fsdp: pieces over dp
+    if sharded:
+        part = torch.zeros(1, dtype=torch.float64)
+        for g in sharded:
+            part += local(g).double().pow(2).sum()
+        torch.distributed.all_reduce(part, group=sharded[0].device_mesh.get_group())
+        sq += part
     if model_parallel_group is not None and torch.distributed.get_world_size(model_parallel_group) > 1:
         torch.distributed.all_reduce(sq, group=model_parallel_group)
     norm = float(sq.sqrt())

@@ -8,7 +8,8 @@ vitgraph.models.build), in this order:
    layers (TransformerConfig.fp8);
 2. data parallelism: megatron-core ``DistributedDataParallel`` per chunk, with gradient
    reduction overlapped with the backward pass and, by default, the distributed optimizer's
-   padded buffers (GPU; on CPU gradients are all-reduced by ``CpuOptimizer``);
+   padded buffers (GPU; on CPU gradients are all-reduced by ``CpuOptimizer``); or, with
+   parallel.fsdp, megatron-core's FSDP2 wrapper (vitgraph.parallel.fsdp), GPU and CPU;
 3. CUDA graphs over the encoder layers of every chunk (vitgraph.graphs), last, so they
    capture the modules exactly as they run.
 """
@@ -28,7 +29,7 @@ from megatron.core import tensor_parallel
 from vitgraph.config import Config, ConfigError, check_layout, graph_constraints
 from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.specs import resolve_spec
-from vitgraph.parallel import cpu_shims
+from vitgraph.parallel import cpu_shims, fsdp
 
 log = logging.getLogger("vitgraph")
 
@@ -254,17 +255,22 @@ def parallelize(chunks: list, plan, p, d: Dist, freeze: list | None = None):
         for i, chunk in enumerate(wrapped):
             if chunk.config.bf16:
                 chunk = Float16Module(chunk.config, chunk)
+            if p.fsdp:
+                out.append(fsdp.wrap(chunk, ddp_cfg))
+                continue
             # megatron buckets only the first chunk: later chunks reduce as one bucket each
             chunk = DistributedDataParallel(chunk.config, ddp_cfg, chunk, disable_bucketing=i > 0)
             chunk.broadcast_params()  # replicas start from the same weights (they already do)
             out.append(chunk)
         wrapped = out
-        bad = misaligned(wrapped)
+        bad = [] if p.fsdp else misaligned(wrapped)
         if bad:
             log.warning("%d parameters have a main_grad off a 256-byte boundary (%s...): TE's fused "
                         "weight-gradient GEMMs fall back to slow kernels for them. "
                         "parallel.distributed_optimizer=true pads every one.", len(bad),
                         ", ".join(bad[:3]))
+    elif p.fsdp:  # on CPU too: the same sharding and reductions over gloo
+        wrapped = [fsdp.wrap(chunk) for chunk in wrapped]
     from vitgraph.graphs.off import NoGraphs
     graphs = NoGraphs()
     if plan.graphs.scope == "step":

@@ -1,6 +1,7 @@
 """The training loop: microbatches through megatron-core's schedules, on CPU and GPU alike."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from vitgraph.convert.export_files import write_classes
 from vitgraph.data import MicrobatchLoader, build_datasets
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.models.vit import unwrap
+from vitgraph.parallel import fsdp
 from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed, parallelize,
                                      shutdown)
 from vitgraph.plan import Plan, resolve_plan
@@ -270,15 +272,23 @@ class Trainer:
         """What a checkpoint holds, as megatron-core's dist_checkpointing takes it: model
         chunks and optimizer as sharded tensors with global names (any layout can load
         them), schedule and data position as common state; with train.ema (and ``ema``) the
-        EMA of the weights under the model's names prefixed "ema." and its step count."""
-        model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
-        extra = {}
-        if self.ema is not None and ema:
-            extra["ema"] = self.ema.sharded_state_dict(model, is_loading)
-        # fully_reshardable: the distributed optimizer's state gathered into per-parameter
-        # tensors named after the model's (megatron's other formats reshard only across dp)
-        optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
-            "distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True})
+        EMA of the weights under the model's names prefixed "ema." and its step count.
+        parallel.fsdp: the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp)."""
+        state = self._state(is_loading, ema)
+        return fsdp.to_shards(state) if self.plan.fsdp else state
+
+    def _state(self, is_loading: bool, ema: bool) -> dict:
+        """``sharded_state`` before FSDP's DTensors are cut into this rank's pieces."""
+        with fsdp.unsharded_view() if self.plan.fsdp else contextlib.nullcontext():
+            model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
+            extra = {}
+            if self.ema is not None and ema:
+                extra["ema"] = self.ema.sharded_state_dict(model, is_loading)
+            # fully_reshardable: the distributed optimizer's state gathered into per-parameter
+            # tensors named after the model's (megatron's other formats reshard only across dp)
+            optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
+                "distrib_optim_sharding_type": "fully_reshardable",
+                "chained_optim_avoid_prefix": True})
         return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
                 "loader": self.loader.state_dict(), **extra}
 
@@ -299,9 +309,12 @@ class Trainer:
             return
         with_ema = self.ema is not None and checkpoint.holds_ema(path)
         allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
-        template = self.sharded_state(is_loading=True, ema=with_ema)
+        template = self._state(is_loading=True, ema=with_ema)
+        pieces = fsdp.to_shards(template) if self.plan.fsdp else template
         with torch.serialization.safe_globals(offload_pickled_classes()):
-            state = checkpoint.load(path, self.d, template)
+            state = checkpoint.load(path, self.d, pieces)
+        if self.plan.fsdp:
+            state = fsdp.restore(template, state)
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])

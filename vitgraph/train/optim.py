@@ -14,6 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from vitgraph.config import OptimConfig
 from vitgraph.parallel import cpu_shims
+from vitgraph.parallel.fsdp import is_dtensor, local
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -277,6 +278,7 @@ class CpuOptimizer:
     def _all_reduce(grads: list, group, average: bool) -> None:
         if not grads or dist.get_world_size(group) == 1:
             return
+        grads = [local(g) for g in grads]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         if average:
@@ -291,7 +293,9 @@ class CpuOptimizer:
         self._all_reduce([p.grad for p in self.params if p.grad is not None
                           and getattr(p, "sequence_parallel", False)],
                          ps.get_tensor_model_parallel_group(), average=False)
-        self._all_reduce([p.grad for p in self.params if p.grad is not None],
+        # (parallel.fsdp: its reduce-scatter already averaged each piece over dp)
+        self._all_reduce([p.grad for p in self.params if p.grad is not None
+                          and not is_dtensor(p.grad)],
                          ps.get_data_parallel_group(), average=True)
         norm = cpu_shims.clip_grad_norm(self.params, self.clip, ps.get_model_parallel_group())
         if not torch.isfinite(torch.tensor(norm)):  # a NaN/inf loss or gradient: skip the step,
@@ -586,7 +590,8 @@ def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
                 name=f"vitgraph_lr_scale_{s!r}", fn=lambda p, n, ids=frozenset(ids): id(p) in ids))
             overrides[key] = ParamGroupOverride(max_lr=o.lr * s, min_lr=o.min_lr * s)
     optimizer = get_megatron_optimizer(ocfg, chunks, config_overrides=overrides)
-    _copy_weights_in_one_kernel(optimizer)
+    if not plan.fsdp:  # (multi-tensor kernels take no DTensors)
+        _copy_weights_in_one_kernel(optimizer)
     fill_frozen_slices(optimizer, chunks)
     if plan.graphs.scope == "step":
         sync_free = SyncFreeStep(optimizer, o.clip_grad)
