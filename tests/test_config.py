@@ -377,6 +377,7 @@ FSDP = ["parallel.fsdp=true", "parallel.distributed_optimizer=false"]
     # megatron offloads the distributed optimizer's state, which FSDP replaces
     ([*FSDP, "optim.offload_fraction=0.5"], "optim.offload_fraction=0.5.*distributed_optimizer"),
     ([*FSDP, "train.ema.decay=0.999"], "train.ema.decay=0.999.*parallel.fsdp"),
+    ([*FSDP, 'model.freeze=["decoder.layers.0.*"]'], "model.freeze=.*parallel.fsdp"),
 ])
 def test_fsdp_names_what_it_cannot_serve(over, match):
     with pytest.raises(ConfigError, match=match):

@@ -293,8 +293,9 @@ class ParallelConfig:
     # fully sharded data parallel: parameters, gradients and optimizer state split over the
     # data-parallel ranks (megatron-core's TorchFullyShardedDataParallel, PyTorch FSDP2), each
     # layer's weights gathered just before it runs; for towers whose weights and optimizer do
-    # not fit per GPU. Eager (no graphs: the gathers allocate as they go), pp=1, no EMA and
-    # no offload; needs distributed_optimizer=false (FSDP shards the optimizer state itself).
+    # not fit per GPU. Eager (no graphs: the gathers allocate as they go), pp=1, no EMA, no
+    # frozen parameters and no offload; needs distributed_optimizer=false (FSDP shards the
+    # optimizer state itself).
     # Checkpoints are the same as without it: a run may resume with it switched either way
     # (both sides with distributed_optimizer=false)
     fsdp: bool = key(False, resume_ok=True)
@@ -664,6 +665,12 @@ def _validate_fsdp(cfg: Config, graphs: bool, err) -> None:
     if cfg.train.ema.decay is not None:
         err("train.ema.decay", cfg.train.ema.decay, "not with parallel.fsdp (the EMA is "
             "kept per optimizer layout and has no FSDP layout yet)")
+    if cfg.model.freeze or cfg.task.lock_image:
+        # the frozen parameters' zero-filled optimizer slices have no FSDP layout yet (a
+        # checkpoint save under both hung two CPU ranks)
+        key_, val = (("model.freeze", cfg.model.freeze) if cfg.model.freeze
+                     else ("task.lock_image", True))
+        err(key_, val, "not with parallel.fsdp yet")
 
 
 def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
