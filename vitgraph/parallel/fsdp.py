@@ -18,6 +18,17 @@ import math
 from dataclasses import replace
 
 import torch
+from megatron.core.distributed.torch_fully_sharded_data_parallel import \
+    TorchFullyShardedDataParallel
+
+
+class FullySharded(TorchFullyShardedDataParallel):
+    """megatron's wrapper, taking the arguments megatron's own ``finalize_model_grads`` passes
+    (0.16.1's base class refuses ``force_all_reduce``). FSDP2 reduce-scatters each layer's
+    gradients in the backward pass: nothing is left to finish."""
+
+    def finish_grad_sync(self, *args, **kwargs):
+        pass
 
 
 def wrap(chunk, ddp_config=None):
@@ -26,11 +37,9 @@ def wrap(chunk, ddp_config=None):
     wrapper's default set adds megatron's ColumnParallelLinear, which the torch spec's layers
     hold, and FSDP2 refuses to shard a layer's parameters twice."""
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.torch_fully_sharded_data_parallel import \
-        TorchFullyShardedDataParallel
     from megatron.core.transformer.transformer_layer import TransformerLayer
-    return TorchFullyShardedDataParallel(chunk.config, ddp_config or DistributedDataParallelConfig(),
-                                         chunk, sub_modules_to_wrap={TransformerLayer})
+    return FullySharded(chunk.config, ddp_config or DistributedDataParallelConfig(), chunk,
+                        sub_modules_to_wrap={TransformerLayer})
 
 
 def is_dtensor(t) -> bool:
