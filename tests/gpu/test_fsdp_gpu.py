@@ -1,16 +1,10 @@
 """GPU: parallel.fsdp (megatron-core's FSDP2 wrapper around Float16Module, megatron's bf16
 optimizer over DTensor pieces) trains the curve of megatron DDP with the same optimizer, and
 its checkpoints resume under DDP and the other way; on two GPUs (torchrun, dp=2) the same."""
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, free_port
-
-from test_step_graphs_gpu import TWO_MICROBATCHES, run_steps, whole_and_resumed
+from test_step_graphs_gpu import TWO_MICROBATCHES, run_steps, two_gpu_run, whole_and_resumed
 from test_train_gpu import make_trainer
 
 pytestmark = pytest.mark.gpu
@@ -54,22 +48,7 @@ def test_fsdp_checkpoint_resumes_across_ddp(tmp_path, first, then):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_fsdp_on_two_gpus_trains_the_ddp_curve(tmp_path):
     """torchrun, dp=2: weights, gradients and optimizer state in halves; the curve of DDP."""
-    def train(name, *extra):
-        run = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "vitgraph", "train",
-               str(ROOT / "configs" / "vit-b16-imagefolder.yaml"), "data.kind=shapes",
-               "data.num_train=640", "data.num_val=64", "data.render_size=32",
-               "model.num_layers=2", "train.steps=20", "train.global_batch_size=32",
-               "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
-               "train.tensorboard=false", "train.progress=false", "data.workers=2",
-               f"run.dir={run}", *extra]
-        r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        return [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()
-                if '"loss"' in x]
-
-    ddp = train("ddp", *DDP)
-    fsdp = train("fsdp", *FSDP)
+    ddp = two_gpu_run(tmp_path / "ddp", *DDP)
+    fsdp = two_gpu_run(tmp_path / "fsdp", *FSDP)
     _close([(r["loss"], r["grad_norm"]) for r in fsdp],
            [(r["loss"], r["grad_norm"]) for r in ddp], 2e-2)

@@ -113,25 +113,30 @@ def test_step_graphs_capture_again_after_a_checkpoint_load(tmp_path):
     assert resumed == pytest.approx(whole[6:], rel=1e-5)
 
 
+def two_gpu_run(run, *extra):
+    """torchrun, dp=2: 20 steps of a 2-layer ViT-B/16 on the embedded data under ``extra``;
+    the log's training records."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "vitgraph", "train",
+           str(ROOT / "configs" / "vit-b16-imagefolder.yaml"), "data.kind=shapes",
+           "data.num_train=640", "data.num_val=64", "data.render_size=32",
+           "model.num_layers=2", "train.steps=20", "train.global_batch_size=32",
+           "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
+           "train.tensorboard=false", "train.progress=false", "data.workers=2",
+           f"run.dir={run}", *extra]
+    r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()
+            if '"loss"' in x]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("fused_norm", ["never", "always"])
 def test_step_graphs_equal_eager_with_two_data_parallel_ranks(tmp_path, fused_norm):
     """torchrun, dp=2 with the distributed optimizer: the graph holds the gradient
     reduce-scatter, the sharded AdamW step and the parameter all-gather."""
     def train(name, *extra):
-        run = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "vitgraph", "train",
-               str(ROOT / "configs" / "vit-b16-imagefolder.yaml"), "data.kind=shapes",
-               "data.num_train=640", "data.num_val=64", "data.render_size=32",
-               "model.num_layers=2", "train.steps=20", "train.global_batch_size=32",
-               "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=0",
-               "train.tensorboard=false", "train.progress=false", "data.workers=2",
-               f"run.dir={run}", f"model.fused_norm={fused_norm}", *STEP, *extra]
-        r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        return [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()
-                if '"loss"' in x]
+        return two_gpu_run(tmp_path / name, f"model.fused_norm={fused_norm}", *STEP, *extra)
 
     graphs = train("graphs", "graphs.warmup_steps=3")
     eager = train("eager", "graphs.warmup_steps=1000")
