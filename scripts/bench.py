@@ -104,6 +104,11 @@ VITGRAPH_ONLY = ("siglip_vit_b16",)  # vitgraph rows only: no peer of the same g
 VITGRAPH_ONLY_TOWERS = ("vit_bigG14_224", "vit_6b14_224")
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _sync_time() -> float:
     torch.cuda.synchronize()
     return time.perf_counter()
@@ -120,9 +125,10 @@ KERNEL_KINDS = [("attention", r"fmha|flash|sdpa|attn|softmax"), ("gemm", r"gemm|
                 ("reduce", r"reduce"), ("elementwise", r".")]
 
 
-def _kernel_report(prof, steps: int, wall: float) -> None:
+def _kernel_report(prof, steps: int, wall: float) -> dict:
     """GPU time per step by kind of kernel and by kernel (graph replays included): what stands
-    between the step and the matmul ceiling. Idle is wall time the GPU had nothing to run."""
+    between the step and the matmul ceiling. Idle is wall time the GPU had nothing to run.
+    Printed, and returned for the JSON row."""
     import re
     from torch.autograd import DeviceType
     # user annotations (an optimizer's record_function) land on the GPU timeline as ranges
@@ -141,9 +147,17 @@ def _kernel_report(prof, steps: int, wall: float) -> None:
         if n:
             print(f"  {k:18s} {ms:8.2f} ms/step {n:7.0f} kernels/step", flush=True)
     print(f"  {'ms/step':>8s} {'n/step':>7s} {'us/call':>8s}  kernel")
+    top = []
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
-        print(f"  {e.self_device_time_total / 1e3 / steps:8.2f} {e.count / steps:7.0f} "
-              f"{e.self_device_time_total / max(e.count, 1):8.1f}  {e.key[:150]}", flush=True)
+        ms, n = e.self_device_time_total / 1e3 / steps, e.count / steps
+        us = e.self_device_time_total / max(e.count, 1)
+        print(f"  {ms:8.2f} {n:7.0f} {us:8.1f}  {e.key[:150]}", flush=True)
+        top.append({"ms_per_step": round(ms, 3), "per_step": n, "us_per_call": round(us, 1),
+                    "kernel": e.key[:200]})
+    return {"steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+            "gpu_busy_ms_per_step": busy / steps * 1e3,
+            "kinds_ms_per_step": {k: round(v[0], 3) for k, v in kinds.items() if v[1]},
+            "top": top}
 
 
 SW_POWER_CAP = 0x4  # nvidia-smi's clocks_throttle_reasons bit: clocks held down by the power cap
@@ -202,6 +216,33 @@ def summarize_gpu_samples(lines: list[str]) -> dict:
             "gpu_samples": len(samples)}
 
 
+def _profile(step) -> dict:
+    """--profile N (the top Python functions) and --kernels N (GPU time by kernel, graph
+    replays included: what stands between the step and the matmul ceiling; the idle share is
+    wall time the GPU had nothing to do) over N calls of ``step``, after the warm-up."""
+    if PROFILE:
+        import cProfile
+        import pstats
+        _sync()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(PROFILE):
+            step()
+        _sync()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if KERNELS:
+        from torch.profiler import ProfilerActivity, profile
+        _sync()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(KERNELS):
+                step()
+            _sync()
+        return {"kernels": _kernel_report(prof, KERNELS, time.perf_counter() - t0)}
+    return {}
+
+
 def _measure(step, warmup: int, iters: int) -> dict:
     """Seconds per step (median of 3 timed blocks), peak allocated and peak reserved GiB, and
     the GPU's power and clocks over the timed blocks (``GpuSampler``).
@@ -210,29 +251,7 @@ def _measure(step, warmup: int, iters: int) -> dict:
     blocks reserved between replays while the allocator counts them as free."""
     for _ in range(warmup):
         step()
-    if PROFILE:
-        import cProfile
-        import pstats
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(PROFILE):
-            step()
-        torch.cuda.synchronize()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    if KERNELS:
-        # GPU time by kernel (graph replays included): what stands between the step and the
-        # matmul ceiling; the idle share is wall time the GPU had nothing to do
-        from torch.profiler import ProfilerActivity, profile
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(KERNELS):
-                step()
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        _kernel_report(prof, KERNELS, time.perf_counter() - t0)
+    kernels = _profile(step)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # graphs were captured in the warm-up: their pools count
     blocks = []
@@ -244,7 +263,8 @@ def _measure(step, warmup: int, iters: int) -> dict:
             blocks.append((_sync_time() - t0) / iters)
     blocks.sort()
     return {"sec": blocks[1], "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, **gpu.summary()}
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, **gpu.summary(),
+            **kernels}
 
 
 # ---------------------------------------------------------------- vitgraph
@@ -424,12 +444,7 @@ NATIVE_SYSTEMS = {"vitgraph+packed": ("thd", None, "layer"),
                   "vitgraph+padded": ("padded", None, "layer"),
                   "vitgraph+padded+step-graphs": ("padded", "local", "step")}
 NATIVE_PEERS = ("timm-naflex", "timm-naflex+compile")
-NATIVE_MODELS = ("vit_b16_224", "vit_l16_224", "vit_so400m16_256")
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+NATIVE_MODELS = ("vit_b16_224", "vit_l16_224", "vit_so400m16_256", "vit_so400m14_384")
 
 
 def native_stream(n: int, seed: int, patch: int, max_patches: int, sides=(128, 512),
@@ -493,6 +508,12 @@ def _measure_cycle(steps: list, counts: list, warmup: int, iters: int) -> dict:
     for _ in range(warmup):
         steps[k % len(steps)]()
         k += 1
+
+    def next_step():
+        nonlocal k
+        steps[k % len(steps)]()
+        k += 1
+    kernels = _profile(next_step)
     _sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -512,7 +533,7 @@ def _measure_cycle(steps: list, counts: list, warmup: int, iters: int) -> dict:
     blocks.sort()
     real, images, computed, sec = blocks[1]
     out = {"images_per_s": images, "real_tokens_per_s": real, "tokens_per_s": computed,
-           "real_share": real / computed, "sec_per_step": sec, **gpu.summary()}
+           "real_share": real / computed, "sec_per_step": sec, **gpu.summary(), **kernels}
     if torch.cuda.is_available():
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -719,6 +740,8 @@ def run_native(args) -> int:
         if key not in streams:
             streams[key] = native_stream(args.images, args.seed, patch, mp)
         grids = streams[key]
+        if rank0 and (KERNELS or PROFILE):
+            print(f"\n== {model} max_patches {mp} {system}", flush=True)
         t0 = time.time()
         try:
             if system in NATIVE_PEERS:

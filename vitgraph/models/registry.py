@@ -35,8 +35,10 @@ MODELS: dict[str, ViTArch] = {
     "vit_large_patch14_224": _arch(1024, 24, 16, 14, 224),
     "vit_huge_patch14_224": _arch(1280, 32, 16, 14, 224, mlp_ratio=4),
     # SigLIP's shape-optimised 400M tower (timm vit_so400m_patch14_siglip_224 /
-    # vit_so400m_patch16_siglip_256): the image encoder of many VLMs
+    # vit_so400m_patch16_siglip_256; at 384 px, 27 x 27 patches: the image encoder of
+    # PaliGemma, LLaVA-OneVision and Idefics)
     "vit_so400m_patch14_224": ViTArch(1152, 27, 16, 4304, 14, 224),
+    "vit_so400m_patch14_384": ViTArch(1152, 27, 16, 4304, 14, 384),
     "vit_so400m_patch16_256": ViTArch(1152, 27, 16, 4304, 16, 256),
     # big towers (timm vit_giant_patch14_224 / open_clip ViT-bigG-14 / InternViT-6B's geometry);
     # at these sizes train.recompute decides what fits (vitgraph plan)
@@ -52,6 +54,7 @@ ALIASES = {
     "vit_h14_224": "vit_huge_patch14_224",
     "vit_s16_224": "vit_small_patch16_224",
     "vit_so400m14_224": "vit_so400m_patch14_224",
+    "vit_so400m14_384": "vit_so400m_patch14_384",
     "vit_so400m16_256": "vit_so400m_patch16_256",
     "vit_g14_224": "vit_giant_patch14_224",
     "vit_bigG14_224": "vit_gigantic_patch14_224",
