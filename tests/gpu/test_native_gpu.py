@@ -7,7 +7,12 @@ megatron DDP + distributed optimizer), one pack per microbatch.
 * one capture serves >= 100 different packs (step and layer scope): no recapture, no eager
   fallback after the warm-up;
 * TE's thd attention under replayed layer graphs keeps the images apart: a pack gives what
-  each image gives in a pack of its own.
+  each image gives in a pack of its own;
+* each of the above also at head dim 72 (SO400M's), where TE's core attention runs the pack
+  in slots (vitgraph.models.specs.THD_HEAD_DIMS);
+* padding rows are safe: with the device memory that graph pools and the caching allocator
+  hand out filled with NaN beforehand, graphed and eager steps give the same finite loss,
+  grad norm and parameters (a row that no kernel writes would carry NaN into them).
 
 Run on the H200:   pytest -m gpu tests/gpu/test_native_gpu.py -v -rs
 """
@@ -32,6 +37,8 @@ BASE = ["data.kind=shapes", "data.num_train=64", "data.num_val=64", "data.render
         "train.micro_batch_size=1", "train.global_batch_size=2",  # two packs a step
         "graphs.enabled=false"]
 STEP = ["graphs.enabled=true", "graphs.scope=step"]
+# head dim 64 (TE's thd attention) and 72 (SO400M's: the slot layout)
+HEAD_DIMS = {"d64": [], "d72": ["model.hidden_size=576", "model.num_heads=8"]}
 LAYER = ["graphs.enabled=true", "graphs.scope=layer"]
 
 
@@ -99,9 +106,11 @@ def _runs(tmp_path, variants, steps=20):
     return runs
 
 
-def test_packed_step_graphs_equal_packed_eager_after_20_steps(tmp_path):
-    runs = _runs(tmp_path, {"eager": [], "step-eager": [*STEP, "graphs.warmup_steps=1000"],
-                            "step-graphs": [*STEP, "graphs.warmup_steps=3"]})
+@pytest.mark.parametrize("head", HEAD_DIMS)
+def test_packed_step_graphs_equal_packed_eager_after_20_steps(tmp_path, head):
+    h = HEAD_DIMS[head]
+    runs = _runs(tmp_path, {"eager": h, "step-eager": [*h, *STEP, "graphs.warmup_steps=1000"],
+                            "step-graphs": [*h, *STEP, "graphs.warmup_steps=3"]})
     curve, weights, stats = runs["step-graphs"]
     assert stats["captures"] == 1 and stats["replays"] == 17, stats  # 20 steps, one graph
     ref_curve, ref_weights, _ = runs["step-eager"]
@@ -158,12 +167,13 @@ def test_one_capture_serves_a_hundred_packs(tmp_path, scope):
         assert stats["replays"] == 103 * 2 * stats["layers"], stats
 
 
-def test_thd_attention_under_layer_graphs_keeps_images_apart(tmp_path):
+@pytest.mark.parametrize("head", HEAD_DIMS)
+def test_thd_attention_under_layer_graphs_keeps_images_apart(tmp_path, head):
     """After the capture, a graphed forward of a new pack (new cu_seqlens in the static
     buffers) gives each image what it gives alone (eagerly, in a pack of its own)."""
     from vitgraph.models import packed as pk
     from vitgraph.models.vit import unwrap
-    t = make_trainer(tmp_path, *LAYER, "graphs.warmup_steps=1")
+    t = make_trainer(tmp_path, *HEAD_DIMS[head], *LAYER, "graphs.warmup_steps=1")
     try:
         run_steps(t, 0, 3)  # warm-up, capture, replay
         model = unwrap(t.chunks[0])
@@ -189,3 +199,43 @@ def test_thd_attention_under_layer_graphs_keeps_images_apart(tmp_path):
                 torch.testing.assert_close(packed[i], alone, atol=3e-2, rtol=3e-2)
     finally:
         t.close(shutdown_dist=False)
+
+
+def poison_device_memory(share: float = 0.6) -> None:
+    """Fill ``share`` of the free device memory with NaN and free it: the caching allocator
+    keeps the block (eager allocations reuse it) and, after empty_cache, the driver hands the
+    same pages to the next graph pool (cudaMalloc does not clear memory)."""
+    free, _ = torch.cuda.mem_get_info()
+    x = torch.full((int(free * share) // 4,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+    del x
+
+
+@pytest.mark.parametrize("head", HEAD_DIMS)
+def test_padding_rows_safe_whatever_the_pool_held(tmp_path, head):
+    """Packs with padding runs (most of them: random fills of 1,024 tokens) through step
+    graphs and eagerly, each run started on NaN-filled memory: every step finite, and the
+    graphed run equal to the same step body run eagerly (loss, grad norm, parameters)."""
+    h = HEAD_DIMS[head]
+    runs = {}
+    for name, over in {"step-eager": [*STEP, "graphs.warmup_steps=1000"],
+                       "step-graphs": [*STEP, "graphs.warmup_steps=2"]}.items():
+        torch.cuda.empty_cache()
+        poison_device_memory()
+        if name == "step-graphs":
+            torch.cuda.empty_cache()  # the pages go to the driver, then to the graph's pool
+        t = make_trainer(tmp_path / name, *h, *over)
+        try:
+            pads = [int((p[2] == t.plan.pack.max_images).sum()) for s in range(8)
+                    for p in step_data(t.plan.pack, s)]
+            assert sum(n > 0 for n in pads) >= 12, pads  # padding in most packs
+            runs[name] = (run_steps(t, 0, 8), params(t))
+        finally:
+            t.close(shutdown_dist=False)
+    curve, weights = runs["step-graphs"]
+    ref_curve, ref_weights = runs["step-eager"]
+    assert all(torch.isfinite(torch.tensor(flat(c))).all() for c in (curve, ref_curve))
+    assert flat(curve) == pytest.approx(flat(ref_curve), rel=1e-5), (curve, ref_curve)
+    for a, b in zip(weights, ref_weights):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

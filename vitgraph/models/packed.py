@@ -17,6 +17,8 @@ run as a dense [L, M, d] batch with a key-padding mask. Its fields have the pack
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -40,11 +42,12 @@ def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """``x.index_select(0, idx)`` (times ``mask`` [n] when given) whose backward is the
-    gather ``(back_idx, back_mask)`` instead of a scatter: for two maps that invert each
-    other where the gradients are not zero (segment_attention's token -> row place and row
-    place -> token), the same numbers as indexing's accumulating scatter (index_put), which
-    on CPU cost as much as the attention itself; deterministic and atomic-free anywhere."""
+    """``x.index_select(0, idx)`` (rows where ``mask`` [n] is False set to zero, when given)
+    whose backward is the gather ``(back_idx, back_mask)`` instead of a scatter: for two maps
+    that invert each other where the gradients are not zero (token -> slot place and slot
+    place -> token, ``Slots``), the same numbers as indexing's accumulating scatter
+    (index_put), which on CPU cost as much as the attention itself; deterministic and
+    atomic-free anywhere."""
 
     @staticmethod
     def forward(ctx, x, idx, mask, back_idx, back_mask):
@@ -62,52 +65,82 @@ def _take(x: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None) -> torc
     # QKV projection, a permuted gradient) ran ~20x slower on CPU than a copy and this
     out = x.reshape(x.shape[0], -1).index_select(0, idx)
     if mask is not None:
-        out = out * mask[:, None]
+        # a select, not a product: a row nothing wrote (an attention kernel leaves a slot's
+        # rows past its length alone) may hold NaN from a graph pool, and NaN * 0 is NaN
+        out = torch.where(mask[:, None], out, 0)
     return out.view(idx.shape[0], *x.shape[1:])
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cu_seqlens: torch.Tensor, max_len: int, dropout: float = 0.0,
-                      scale: float | None = None, rows: int | None = None) -> torch.Tensor:
-    """Self-attention within segments (TE's thd format) by SDPA: [T, h, d] -> [T, h, d].
+@dataclass(frozen=True)
+class Slots:
+    """The segments of a pack laid out as ``rows`` slots of ``max_len`` places, each segment
+    from the start of its slot: ``idx`` [S L] the token at each place (clamped where there is
+    none), ``valid`` [S L] whether the place holds its segment's token, ``place`` [T] each
+    token's place, ``inside`` [T] whether the token is in one of the slotted segments."""
+    idx: torch.Tensor
+    valid: torch.Tensor
+    place: torch.Tensor
+    inside: torch.Tensor
+    rows: int
+    max_len: int
 
-    Each segment's tokens are gathered into a row of ``max_len`` (the longest segment), SDPA
-    runs over [segments, h, max_len, d] with the row's tail masked, and each token takes its
-    row back: fixed shapes, segments x max_len^2 work instead of the T^2 of a block-diagonal
-    mask (20x less for the tiny CPU config's packs of 2,048 tokens in runs of <= 65).
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, ...] tokens -> [S L, ...] rows in slot order (a place past its segment's end
+        holds some token)."""
+        return _Gather.apply(t, self.idx, None, self.place, self.inside)
 
-    ``rows``: only the first this many segments are computed, the tokens of later ones get
-    zeros. A pack's images are its first segments (vitgraph.data.packing.layout), so with
-    rows = max_images only its padding runs are skipped: their outputs are never read (a
-    third of the segments, and of the attention time, in that CPU config).
+    def scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """[S L, ...] rows in slot order -> [T, ...] tokens; a token in no slot gets zeros."""
+        return _Gather.apply(t, self.place, self.inside, self.idx, self.valid)
 
-    The two gathers (tokens -> rows, rows -> tokens) are each other's backward (``_Gather``):
-    a row's tail and the tokens past the last row get zero gradients, as by indexing."""
-    T = q.shape[0]
+
+def segment_slots(cu_seqlens: torch.Tensor, tokens: int, max_len: int,
+                  rows: int | None = None) -> Slots:
+    """``Slots`` of the first ``rows`` segments of ``cu_seqlens`` (all of them by default),
+    by device ops of fixed shapes. A pack's images are its first segments
+    (vitgraph.data.packing.layout), so with rows = max_images its padding runs are left out:
+    their outputs are never read."""
     if rows is not None:
         cu_seqlens = cu_seqlens[:rows + 1]
     starts = cu_seqlens[:-1].long()
     lens = cu_seqlens[1:].long() - starts
     S = starts.shape[0]
-    j = torch.arange(max_len, device=q.device)
+    j = torch.arange(max_len, device=cu_seqlens.device)
     valid = j[None, :] < lens[:, None]  # [S, L]
-    idx = torch.where(valid, starts[:, None] + j[None, :], 0).clamp_(max=T - 1).view(-1)
-    seg = segment_ids(cu_seqlens, T)  # S for tokens after the last row
+    idx = torch.where(valid, starts[:, None] + j[None, :], 0).clamp_(max=tokens - 1).view(-1)
+    seg = segment_ids(cu_seqlens, tokens)  # S for tokens after the last slotted segment
     inside = seg < S
     seg = seg.clamp(max=S - 1)
-    pos = (torch.arange(T, device=q.device) - starts[seg]).clamp_(0, max_len - 1)
-    place = seg * max_len + pos  # each token's place among the S x L row entries
-    keep_token = inside.to(q.dtype)
-    keep_place = valid.view(-1).to(q.dtype)
-    rows_ = [_Gather.apply(t, idx, None, place, keep_token)
-             .view(S, max_len, *t.shape[1:]).permute(0, 2, 1, 3) for t in (q, k, v)]
-    # an empty segment's row attends to its (unused) tail rather than to nothing (0 / 0)
+    pos = (torch.arange(tokens, device=cu_seqlens.device) - starts[seg]).clamp_(0, max_len - 1)
+    return Slots(idx, valid.view(-1), seg * max_len + pos, inside, S, max_len)
+
+
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Slots,
+                   dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """Self-attention within each slot by SDPA: [S L, h, d] rows in slot order (``Slots``)
+    -> [T, h, d] tokens. Fixed shapes, segments x max_len^2 work instead of the T^2 of a
+    block-diagonal mask (20x less for the tiny CPU config's packs of 2,048 tokens in runs of
+    <= 65)."""
+    S, L = slots.rows, slots.max_len
+    q, k, v = (t.view(S, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    valid = slots.valid.view(S, L)
+    # an empty segment's slot attends to its (unused) tail rather than to nothing (0 / 0)
     keep = (valid | ~valid.any(-1, keepdim=True))[:, None, None, :]
-    out = F.scaled_dot_product_attention(*rows_, attn_mask=keep, dropout_p=dropout,
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout,
                                          scale=scale)
-    heads, dim = out.shape[1], out.shape[3]
-    out = out.permute(0, 2, 1, 3).reshape(S * max_len, heads, dim)
-    return _Gather.apply(out, place, keep_token, idx, keep_place)  # [T, h, d]
+    return slots.scatter(out.transpose(1, 2).reshape(S * L, *out.shape[1::2]))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens: torch.Tensor, max_len: int, dropout: float = 0.0,
+                      scale: float | None = None, rows: int | None = None) -> torch.Tensor:
+    """Self-attention within segments (TE's thd format): [T, h, d] -> [T, h, d], each
+    segment's tokens in a slot of ``max_len`` (``segment_slots``; ``rows``: the first this
+    many segments only, later tokens get zeros) through ``slot_attention``. The two gathers
+    are each other's backward (``_Gather``): a slot's tail and the tokens past the last slot
+    get zero gradients, as by indexing."""
+    slots = segment_slots(cu_seqlens, q.shape[0], max_len, rows)
+    return slot_attention(*(slots.gather(t) for t in (q, k, v)), slots, dropout, scale)
 
 
 def block_diagonal(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import get_pg_rank
 
+from vitgraph.models import packed as pk
 from vitgraph.models.fused_act import bias_act
 from vitgraph.models.fused_norm import add, add_layer_norm, layer_norm
 
@@ -305,8 +306,12 @@ class SDPAttention(MegatronModule):
     are left out; with a causal mask type a query sees only itself and earlier positions.
     With ``packed_seq_params`` in the ``thd`` format (packed images, vitgraph.models.vit)
     the query arrives squeezed, [t, heads, d], and attends only within its own segment of
-    ``cu_seqlens_q`` (a block-diagonal mask: the reference for TE's thd attention).
+    ``cu_seqlens_q``: in slots (``PackedSelfAttention``) without a mask, else by a
+    block-diagonal mask (the reference for TE's thd attention).
     """
+
+    def takes_slots(self, head_dim: int) -> bool:
+        return not self.causal
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -320,25 +325,20 @@ class SDPAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if thd and attention_mask is None and not self.causal:
-            from vitgraph.models.packed import segment_attention
-            p = packed_seq_params
-            if p.cu_seqlens_kv is not p.cu_seqlens_q:  # no host read to compare them
-                raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
-            out = segment_attention(query, key, value, p.cu_seqlens_q, int(p.max_seqlen_q),
-                                    self.dropout if self.training else 0.0, self.softmax_scale,
-                                    rows=getattr(p, "image_segments", None))
+        slots = getattr(packed_seq_params, "slots", None)
+        if slots is not None:  # rows in slot order (PackedSelfAttention)
+            out = pk.slot_attention(query, key, value, slots,
+                                    self.dropout if self.training else 0.0, self.softmax_scale)
             return out.reshape(out.shape[0], -1)
         if thd:  # [t, h, d]: one sequence of segments
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         keep = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         if thd:
-            from vitgraph.models.packed import block_diagonal
             cu = packed_seq_params.cu_seqlens_q
             if packed_seq_params.cu_seqlens_kv is not cu:  # no host read to compare them
                 raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
-            blocks = block_diagonal(cu, q.shape[2])
+            blocks = pk.block_diagonal(cu, q.shape[2])
             keep = blocks if keep is None else keep & blocks
         causal = self.causal
         if causal and keep is not None:  # SDPA takes one or the other: merge them
@@ -388,7 +388,7 @@ def _layer_spec(qkv, core_attention, proj, fc1, fc2, mask: AttnMaskType,
         submodules=TransformerLayerSubmodules(
             input_layernorm=IdentityOp,  # fused into linear_qkv
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=PackedSelfAttention,
                 params={"attn_mask_type": mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=qkv, core_attention=core_attention, linear_proj=proj),
@@ -437,6 +437,83 @@ def _te_row_parallel_with_bias_in_gemm():
     return TERowParallelLinearBias
 
 
+# head dims at which TE's thd (ragged) attention runs at the speed of its padded layout: at
+# 72, 80 and 88 cuDNN 9.19's ragged backward spends 2.5 ms in its dO.O kernel (compute_dot_do_o)
+# where 64 and 128 fuse it (fwd + bwd over 16,384 tokens, 16 heads: 3.4 ms at 72, 0.9 at 64,
+# 1.2 at 128; slots of 257 at 72: 0.7 ms; H200, TE 2.20.2)
+THD_HEAD_DIMS = (64, 128)
+
+
+@functools.cache
+def _te_slot_attention():
+    """megatron's TE core attention that takes a pack at head dims outside THD_HEAD_DIMS in
+    the slot layout (``PackedSelfAttention``): TE's padded (bshd) attention over the slots
+    with the images' lengths, the tokens taken back. Padding runs are not computed (their
+    tokens get zeros)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    class TESlotAttention(TEDotProductAttention):
+        def takes_slots(self, head_dim: int) -> bool:
+            return head_dim not in THD_HEAD_DIMS
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type,
+                    attention_bias=None, packed_seq_params=None, num_splits=None):
+            slots = getattr(packed_seq_params, "slots", None)
+            if slots is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias, packed_seq_params, num_splits)
+            S, L = slots.rows, slots.max_len
+            cu = packed_seq_params.cu_seqlens_q[:S + 1]
+            q, k, v = (t.view(S, L, *t.shape[1:]) for t in (query, key, value))
+            out = super(TEDotProductAttention, self).forward(
+                q, k, v, None, qkv_format="bshd", attn_mask_type="padding", cu_seqlens_q=cu,
+                cu_seqlens_kv=cu, max_seqlen_q=L, max_seqlen_kv=L)
+            return slots.scatter(out.view(S * L, -1))  # [T, h d], as TE's thd output
+
+    return TESlotAttention
+
+
+class PackedSelfAttention(SelfAttention):
+    """megatron's self-attention that hands a pack (thd) to a core attention that asks for it
+    (``takes_slots(head_dim)``) in the slot layout (vitgraph.models.packed.Slots): the QKV
+    projection's rows gathered once into slot order, so query, key and value (and their
+    gradient, one buffer) stay views of one tensor, and the output taken back to the tokens
+    by the core attention. One gather each way instead of one per tensor (each with a copy
+    of the strided view) and a concatenation of dq, dk, dv in the backward. Fixed shapes, no
+    host read: one CUDA graph serves every pack."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._slots = None
+        self.linear_qkv.register_forward_hook(self._qkv_in_slot_order)
+
+    def _qkv_in_slot_order(self, module, args, out):
+        if self._slots is None:
+            return out
+        mixed, bias = out
+        return self._slots.gather(mixed), bias
+
+    def forward(self, hidden_states, *args, packed_seq_params=None, **kwargs):
+        p = packed_seq_params
+        takes = getattr(self.core_attention, "takes_slots", None)
+        if (p is None or p.qkv_format != "thd" or takes is None
+                or not takes(self.hidden_size_per_attention_head)):
+            return super().forward(hidden_states, *args, packed_seq_params=p, **kwargs)
+        if p.cu_seqlens_kv is not p.cu_seqlens_q:  # no host read to compare them
+            raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
+        tokens = hidden_states.shape[0]
+        if self.config.sequence_parallel:  # the QKV projection gathers the sequence
+            tokens *= self.config.tensor_model_parallel_size
+        p = copy.copy(p)
+        p.slots = pk.segment_slots(p.cu_seqlens_q, tokens, int(p.max_seqlen_q),
+                                   getattr(p, "image_segments", None))
+        self._slots = p.slots
+        try:
+            return super().forward(hidden_states, *args, packed_seq_params=p, **kwargs)
+        finally:
+            self._slots = None
+
+
 # (padding_mask, causal) -> megatron's mask type
 MASKS = {(False, False): AttnMaskType.no_mask, (True, False): AttnMaskType.padding,
          (False, True): AttnMaskType.causal, (True, True): AttnMaskType.padding_causal}
@@ -467,10 +544,12 @@ def _base_layer_spec(name: str, padding_mask: bool, causal: bool,
             get_vit_layer_with_transformer_engine_spec)
         _split_qkv_without_copy()
         spec = copy.deepcopy(get_vit_layer_with_transformer_engine_spec())
+        spec.submodules.self_attention.module = PackedSelfAttention
         spec.submodules.self_attention.params["attn_mask_type"] = mask
         row = _te_row_parallel_with_bias_in_gemm()
         attention = spec.submodules.self_attention.submodules
         attention.linear_proj = row
+        attention.core_attention = _te_slot_attention()
         spec.submodules.mlp.module = BiasActMLP  # fc1 (TE's, LN fused) returns its bias
         spec.submodules.mlp.submodules.linear_fc2 = row
         if fused_norm:
