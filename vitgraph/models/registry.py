@@ -38,7 +38,8 @@ MODELS: dict[str, ViTArch] = {
     # vit_so400m_patch16_siglip_256; at 384 px, 27 x 27 patches: the image encoder of
     # PaliGemma, LLaVA-OneVision and Idefics)
     "vit_so400m_patch14_224": ViTArch(1152, 27, 16, 4304, 14, 224),
-    "vit_so400m_patch14_384": ViTArch(1152, 27, 16, 4304, 14, 384),
+    # 378 = 27 x 14: SigLIP's 384 px input in whole patches (timm drops the remainder)
+    "vit_so400m_patch14_384": ViTArch(1152, 27, 16, 4304, 14, 378),
     "vit_so400m_patch16_256": ViTArch(1152, 27, 16, 4304, 16, 256),
     # big towers (timm vit_giant_patch14_224 / open_clip ViT-bigG-14 / InternViT-6B's geometry);
     # at these sizes train.recompute decides what fits (vitgraph plan)
