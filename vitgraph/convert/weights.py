@@ -143,7 +143,7 @@ def _is_pair(m) -> bool:
 
 def _is_tower(vit) -> bool:
     """A ViT built as CLIP's image tower (ln_pre, a projection or attention pooling)."""
-    return any(hasattr(vit, a) for a in ("ln_pre", "proj", "attn_pool"))
+    return any(part is not None for part in (vit.ln_pre, vit.proj, vit.attn_pool))
 
 
 def heads_of(model) -> tuple[int, int | None]:
@@ -177,7 +177,7 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
         known = set(names.values())  # the whole model is here
     else:  # a pipeline stage: unexpected means unknown to every stage
         known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers,
-                               vit.pool, getattr(vit, "distill_token", False))
+                               vit.global_pool, vit.distill_token)
     unexpected = sorted(set(sd) - known)
     if unexpected:
         raise ConvertError(f"{source}: unexpected key {name_of(unexpected[0])!r}"
