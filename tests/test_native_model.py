@@ -94,11 +94,11 @@ def alone(model, rows, grid):
         prefix = torch.cat([p[0] for p in model._prefix_params()]) + model.pos_embed[0, :P]
         tokens = torch.cat([prefix, tokens])
     h = model.final_norm(model.decoder(hidden_states=tokens[:, None], attention_mask=None)[:, 0])
-    if hasattr(model, "attn_pool"):
+    if model.attn_pool is not None:
         feats = model.attn_pool(h[None, P:])[0]
     else:
-        feats = h[0] if model.pool == "cls" else h[P:].mean(0)
-    return model.head(feats) if hasattr(model, "head") else feats
+        feats = h[0] if model.global_pool == "cls" else h[P:].mean(0)
+    return model.head(feats) if model.head is not None else feats
 
 
 @pytest.mark.parametrize("pool", sorted(POOLS))

@@ -24,6 +24,26 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("config", nargs="?", help="YAML experiment config (see `vitgraph configs`)")
     tr.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
     parser.train_parser = tr
+    _add_eval(sub)
+    _add_export(sub)
+    pa = sub.add_parser("params", help="list a config's parameters: shape, lr scale, weight "
+                        "decay, frozen",
+                        description="Build CONFIG's model on CPU (torch spec, one process, no "
+                                    "data read, nothing trained) and print one line per "
+                                    "parameter: its name (what model.freeze patterns match), "
+                                    "shape, lr scale (optim.layer_decay), weight decay on/off "
+                                    "and whether model.freeze / task.lock_image freeze it.")
+    _config_arguments(pa)
+    _add_plan(sub)
+    sub.add_parser("configs", help="list the bundled configs with their header lines")
+    sub.add_parser("models", help="list the registered model names")
+    ca = sub.add_parser("cache", help="show (or --clear) the generated-dataset cache")
+    ca.add_argument("--clear", action="store_true", help="delete every cached dataset")
+    ca.add_argument("--dir", default=None, help="cache directory (default: data.cache_dir's default)")
+    return parser
+
+
+def _add_eval(sub) -> None:
     ev = sub.add_parser("eval", help="evaluate a run's newest (or a named) checkpoint",
                         description="Evaluate the checkpoint of the run CONFIG describes (with the "
                                     "same overrides as its training); writes "
@@ -36,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--ema", action="store_true",
                     help="the checkpoint's EMA of the weights (train.ema); writes "
                          "eval-<step>-ema.json, metrics named eval_ema_*")
+
+
+def _add_export(sub) -> None:
     ex = sub.add_parser("export", help="write a run's model weights as safetensors",
                         description="Write the model weights of RUN_DIR's newest (or a named) "
                                     "checkpoint as safetensors, with vitgraph, timm, Hugging "
@@ -51,14 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
     ex.add_argument("--ema", action="store_true",
                     help="the EMA of the weights (train.ema, fp32) instead of the weights")
-    pa = sub.add_parser("params", help="list a config's parameters: shape, lr scale, weight "
-                        "decay, frozen",
-                        description="Build CONFIG's model on CPU (torch spec, one process, no "
-                                    "data read, nothing trained) and print one line per "
-                                    "parameter: its name (what model.freeze patterns match), "
-                                    "shape, lr scale (optim.layer_decay), weight decay on/off "
-                                    "and whether model.freeze / task.lock_image freeze it.")
-    _config_arguments(pa)
+
+
+def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="GPU memory per stage of a config's layout, the largest "
                         "micro-batch that fits, and what would fit when it does not",
                         description="Count, on CPU and before any run, what CONFIG holds on "
@@ -77,12 +95,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="memory per GPU in GiB (default: this machine's first GPU by "
                          "nvidia-smi, else 139.8: an H200 as torch reports it; an H100: 79.1)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON instead")
-    sub.add_parser("configs", help="list the bundled configs with their header lines")
-    sub.add_parser("models", help="list the registered model names")
-    ca = sub.add_parser("cache", help="show (or --clear) the generated-dataset cache")
-    ca.add_argument("--clear", action="store_true", help="delete every cached dataset")
-    ca.add_argument("--dir", default=None, help="cache directory (default: data.cache_dir's default)")
-    return parser
 
 
 def _config_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,12 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     set_hardware_queues()  # before any import below can initialise CUDA
     parser = _parser()
     args = parser.parse_args(argv)
-    if hasattr(signal, "SIGUSR2") and sys.__stderr__ is not None:
-        # `kill -USR2 PID` prints every thread's Python stack to stderr: where a hung rank waits
-        try:
-            faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
-        except (OSError, ValueError):  # no file descriptor behind stderr (embedded callers)
-            pass
+    _stacks_on_usr2()
     if args.command == "models":
         return _models()
     if args.command == "configs":
@@ -124,6 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
+    return _run(cfg, args)
+
+
+def _stacks_on_usr2() -> None:
+    """`kill -USR2 PID` prints every thread's Python stack to stderr: where a hung rank waits."""
+    if hasattr(signal, "SIGUSR2") and sys.__stderr__ is not None:
+        try:
+            faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
+        except (OSError, ValueError):  # no file descriptor behind stderr (embedded callers)
+            pass
+
+
+def _run(cfg, args) -> int:
+    """Train, or evaluate a checkpoint (``vitgraph eval``); the exit code."""
+    from vitgraph.config import ConfigError
     from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
     from vitgraph.train.checkpoint import NoIntactCheckpoint

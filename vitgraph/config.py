@@ -88,6 +88,27 @@ class ModelConfig:
                                             "vitgraph"))
 
 
+def _validate_model(m: ModelConfig, err):
+    """model.*: the architecture it names, its keys against each other and init_from's file;
+    returns the architecture (vitgraph.models.registry.ViTArch)."""
+    from vitgraph.models.registry import resolve_arch
+    try:
+        arch = resolve_arch(m)
+    except KeyError as e:
+        err("model.name", m.name, e.args[0])
+    if arch.image_size % arch.patch_size:
+        err("model.image_size", arch.image_size,
+            f"not divisible by model.patch_size={arch.patch_size}")
+    if arch.hidden_size % arch.num_heads:
+        err("model.hidden_size", arch.hidden_size, f"not divisible by model.num_heads={arch.num_heads}")
+    if m.init_from and not Path(m.init_from).expanduser().is_file():
+        err("model.init_from", m.init_from, "no such file")
+    if m.distill_token and (not m.class_token or m.pool != "cls"):
+        err("model.distill_token", True, "needs model.class_token=true and model.pool=cls (its "
+            "head reads the token after the class token)")
+    return arch
+
+
 @dataclass
 class PackingConfig:
     """data.resolution=native: each image at its own size and aspect ratio, packed with others
@@ -166,6 +187,38 @@ class DataConfig:
     packing: PackingConfig = field(default_factory=PackingConfig)
 
 
+def _validate_data(d: DataConfig, err) -> None:
+    """data.*: its keys against each other (the folders: ``_validate_data_path``)."""
+    if d.cpu_decode_share and (d.kind != "webdataset" or d.decode == "cpu"):
+        err("data.cpu_decode_share", d.cpu_decode_share,
+            f"splits the decoding of data.decode=cuda shards (data.kind={d.kind}, "
+            f"data.decode={d.decode})")
+    if d.caption_dropout and d.kind != "shapes":
+        err("data.caption_dropout", d.caption_dropout,
+            f"only the shapes data has size and colour words to drop (data.kind={d.kind})")
+    if d.resolution == "native" and d.augment.enabled \
+            and d.augment.auto == "3augment":  # a pack's ops are per patch: no blur
+        err("data.augment.auto", "3augment", "not with data.resolution=native (gaussian blur "
+            "needs an image's neighbouring patches): set data.augment.auto=none or randaugment")
+
+
+def _validate_data_path(d: DataConfig, err) -> None:
+    """data.path: the folder data.kind reads is there."""
+    if d.kind == "imagefolder":
+        if not d.path:
+            err("data.path", d.path, "data.kind=imagefolder needs data.path (a folder with train/ and val/)")
+        root = Path(d.path).expanduser()
+        if not root.is_dir():
+            err("data.path", d.path, "no such directory")
+        for split in ("train", "val"):
+            if not (root / split).is_dir():
+                err("data.path", d.path, f"has no {split}/ folder")
+    elif d.kind == "webdataset":
+        if not d.path or not Path(d.path).expanduser().is_dir():
+            err("data.path", d.path, "data.kind=webdataset needs data.path (a folder of "
+                "train-*.tar and val-*.tar shards)")
+
+
 @dataclass
 class OptimConfig:
     lr: float = key(1e-3, above=0)
@@ -215,6 +268,30 @@ class DistillConfig:
     # loss = (1 - weight) x the task's loss + weight x the distillation loss
     weight: float = key(0.5, min=0, max=1)
     temperature: float = key(1.0, above=0)
+
+
+def _validate_distill(dt: DistillConfig, err) -> None:
+    """train.distill.*: the teacher is there, and a weights file comes with its architecture.
+    The class count and the weights are checked when the teacher is built."""
+    if dt.teacher:
+        teacher = Path(dt.teacher).expanduser()
+        if dt.teacher.startswith("timm:"):
+            if not dt.teacher[5:]:
+                err("train.distill.teacher", dt.teacher, "'timm:<name>' needs a timm model name")
+        elif teacher.is_dir():
+            if not (teacher / "config.yaml").is_file():
+                err("train.distill.teacher", dt.teacher, "a directory without config.yaml "
+                    "(not a vitgraph run)")
+        elif not teacher.is_file():
+            err("train.distill.teacher", dt.teacher, "no such run directory or weights file "
+                "(or 'timm:<name>')")
+        elif not dt.model:
+            err("train.distill.model", dt.model, f"a weights-file teacher ({dt.teacher}) needs "
+                "its architecture: a registry name (`vitgraph models`)")
+    if dt.model and (not dt.teacher or dt.teacher.startswith("timm:")
+                     or Path(dt.teacher).expanduser().is_dir()):
+        err("train.distill.model", dt.model, "names the architecture of a weights-file "
+            "teacher only (train.distill.teacher)")
 
 
 # megatron-core's selective-recompute modules that a ViT layer has (the rest are MoE / MLA;
@@ -269,6 +346,25 @@ class TrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
 
 
+def _validate_train(t: TrainConfig, err) -> None:
+    """train.*: the run's length, the batch split, recompute's keys, the EMA and distillation."""
+    if (t.steps is None) == (t.epochs is None):
+        err("train.steps", t.steps, f"give exactly one of train.steps and train.epochs (epochs={t.epochs})")
+    if t.global_batch_size % t.micro_batch_size:
+        err("train.global_batch_size", t.global_batch_size,
+            f"not divisible by train.micro_batch_size={t.micro_batch_size}")
+    if t.recompute_layers is not None and t.recompute != "full":
+        err("train.recompute_layers", t.recompute_layers,
+            f"counts layers of train.recompute=full (got {t.recompute!r})")
+    if t.recompute_modules is not None and t.recompute != "selective":
+        err("train.recompute_modules", t.recompute_modules,
+            f"names what train.recompute=selective recomputes (got {t.recompute!r})")
+    if t.ema.eval and t.ema.decay is None:
+        err("train.ema.eval", True, "evaluates the EMA of the weights: set train.ema.decay "
+            "(e.g. 0.9998) too")
+    _validate_distill(t.distill, err)
+
+
 @dataclass
 class ParallelConfig:
     """Layout: world = dp x tp x pp; data parallel is what is left of the world size.
@@ -316,6 +412,17 @@ class ParallelConfig:
     # NCCL user-buffer registration inside CUDA graphs (NCCL_GRAPH_REGISTER); off by default
     # because it has hung tensor-parallel runs with graphs (Megatron-Bridge reports)
     nccl_graph_register: bool = key(False, resume_ok=True)
+
+
+def _validate_parallel(p: ParallelConfig, err) -> None:
+    """parallel.*: its keys against each other (against the model: ``_validate_layout``)."""
+    if p.vpp > 1 and p.pp == 1:
+        err("parallel.vpp", p.vpp, "virtual pipeline stages need parallel.pp > 1")
+    if p.overlap_p2p_comm and p.vpp == 1:
+        err("parallel.overlap_p2p_comm", True, "megatron overlaps p2p only in the interleaved "
+                                              "schedule: needs parallel.vpp > 1")
+    if p.sequence_parallel and p.tp == 1:
+        err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
 
 
 @dataclass
@@ -675,12 +782,6 @@ def _validate_fsdp(cfg: Config, graphs: bool, err) -> None:
 
 def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
     t, m = cfg.train, cfg.model
-    if t.recompute_layers is not None and t.recompute != "full":
-        err("train.recompute_layers", t.recompute_layers,
-            f"counts layers of train.recompute=full (got {t.recompute!r})")
-    if t.recompute_modules is not None and t.recompute != "selective":
-        err("train.recompute_modules", t.recompute_modules,
-            f"names what train.recompute=selective recomputes (got {t.recompute!r})")
     if t.recompute == "full" and m.fused_norm == "always":
         # megatron's block checkpoint hands tensors between its units; the fused layer passes
         # the unsummed residual stream on as a (tensor, tensor) pair
@@ -705,164 +806,114 @@ def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
             "recompute")
 
 
-def validate(cfg: Config, src: str = "<config>", data: bool = True) -> None:
-    """Every key against its declaration (vitgraph.config_keys), then the rules between keys;
-    nothing here depends on the machine or the launch (``check_layout`` takes the world size)."""
-    from vitgraph.models.registry import CLIP_MODELS, resolve_arch
-
-    def err(name, value, why):
-        raise ConfigError(f"{src}: {name}={value!r}: {why}")
-
-    check_section(cfg, "", src)
-
-    if cfg.data.cpu_decode_share and (cfg.data.kind != "webdataset" or cfg.data.decode == "cpu"):
-        err("data.cpu_decode_share", cfg.data.cpu_decode_share,
-            f"splits the decoding of data.decode=cuda shards (data.kind={cfg.data.kind}, "
-            f"data.decode={cfg.data.decode})")
-    if cfg.data.caption_dropout and cfg.data.kind != "shapes":
-        err("data.caption_dropout", cfg.data.caption_dropout,
-            f"only the shapes data has size and colour words to drop (data.kind={cfg.data.kind})")
-
-    try:
-        arch = resolve_arch(cfg.model)
-    except KeyError as e:
-        err("model.name", cfg.model.name, e.args[0])
-    if arch.image_size % arch.patch_size:
-        err("model.image_size", arch.image_size,
-            f"not divisible by model.patch_size={arch.patch_size}")
-    if arch.hidden_size % arch.num_heads:
-        err("model.hidden_size", arch.hidden_size, f"not divisible by model.num_heads={arch.num_heads}")
-
-    if cfg.model.init_from and not Path(cfg.model.init_from).expanduser().is_file():
-        err("model.init_from", cfg.model.init_from, "no such file")
-
-    t = cfg.train
-    if (t.steps is None) == (t.epochs is None):
-        err("train.steps", t.steps, f"give exactly one of train.steps and train.epochs (epochs={t.epochs})")
-    if t.global_batch_size % t.micro_batch_size:
-        err("train.global_batch_size", t.global_batch_size,
-            f"not divisible by train.micro_batch_size={t.micro_batch_size}")
-
+def _validate_layout(cfg: Config, arch, err) -> None:
+    """The parallel layout against the model."""
     p = cfg.parallel
     if arch.num_heads % p.tp:
         err("parallel.tp", p.tp, f"model.num_heads={arch.num_heads} is not divisible by it")
     if arch.ffn_hidden_size % p.tp:
         err("parallel.tp", p.tp, f"model.ffn_hidden_size={arch.ffn_hidden_size} is not divisible by it")
-    if p.vpp > 1 and p.pp == 1:
-        err("parallel.vpp", p.vpp, "virtual pipeline stages need parallel.pp > 1")
     if arch.num_layers % (p.pp * p.vpp):
         err("parallel.pp", p.pp, f"model.num_layers={arch.num_layers} is not divisible by "
                                  f"parallel.pp x parallel.vpp = {p.pp} x {p.vpp}")
-    if task_kind(cfg) == "contrastive":
+    if cfg.graphs.pool == "shared" and p.pp > 1:
+        err("graphs.pool", "shared", "needs parallel.pp=1: a pipeline schedule replays the layer "
+                                     "graphs in another order than they were captured (use auto)")
+
+
+def _validate_task(cfg: Config, err) -> None:
+    """What the task kind asks of the model, the data and the other keys."""
+    from vitgraph.models.registry import CLIP_MODELS
+    kind = task_kind(cfg)
+    if kind == "contrastive":
         _validate_contrastive(cfg, err)
     elif cfg.model.name in CLIP_MODELS:
         err("task.kind", cfg.task.kind, f"model.name={cfg.model.name!r} is an image-text pair: "
                                         "train it with task.kind=contrastive (or auto)")
-    if p.overlap_p2p_comm and p.vpp == 1:
-        err("parallel.overlap_p2p_comm", True, "megatron overlaps p2p only in the interleaved "
-                                              "schedule: needs parallel.vpp > 1")
-    # graphs.enabled=auto picks a path these rules allow: they bind an explicit true
-    graphs = cfg.graphs.enabled is True
-    if graphs and cfg.graphs.scope == "step" and t.precision == "fp8" \
-            and t.fp8_recipe != "current":
+    native = cfg.data.resolution == "native"
+    if cfg.model.distill_token and (kind != "classification" or native):
+        err("model.distill_token", True, "needs task.kind=classification"
+            if kind != "classification" else
+            "not with data.resolution=native (packs have one class token an image)")
+    dt = cfg.train.distill
+    if dt.teacher and kind != "classification":
+        err("train.distill.teacher", dt.teacher, "distillation is for task.kind="
+            "classification (this run is contrastive)")
+    if dt.teacher and native:
+        err("train.distill.teacher", dt.teacher, "not with data.resolution=native: the "
+            "teacher takes fixed-size images, not packs")
+    if cfg.task.lock_image and kind != "contrastive":
+        err("task.lock_image", True, "freezes an image-text pair's image tower (LiT): "
+            "task.kind=contrastive only; a classifier's parts are frozen by model.freeze")
+
+
+def _validate_precision(cfg: Config, graphs: bool, err) -> None:
+    """train.precision=fp8 against the layer spec and the graphs."""
+    t, g = cfg.train, cfg.graphs
+    if t.precision != "fp8":
+        return
+    if graphs and g.scope == "step" and t.fp8_recipe != "current":
         # current scaling computes each scale from its tensor, on the device, inside the step;
         # delayed scaling keeps an amax history that TE updates from the host between steps
         err("graphs.scope", "step", f"with train.precision=fp8 only with train.fp8_recipe=current "
                                     f"(got {t.fp8_recipe!r}); or use graphs.scope=layer with "
                                     "graphs.impl=te")
-    if cfg.graphs.pool == "shared" and p.pp > 1:
-        err("graphs.pool", "shared", "needs parallel.pp=1: a pipeline schedule replays the layer "
-                                     "graphs in another order than they were captured (use auto)")
-    _validate_recompute(cfg, graphs, err)
-    if cfg.optim.offload_fraction:
-        if not p.distributed_optimizer:
-            err("optim.offload_fraction", cfg.optim.offload_fraction, "megatron offloads the "
-                "distributed optimizer's state: needs parallel.distributed_optimizer=true")
-        if graphs and cfg.graphs.scope == "step":
-            err("optim.offload_fraction", cfg.optim.offload_fraction, "not under graphs.scope="
-                "step: the CPU part of the optimizer step cannot be captured (graphs.scope="
-                "layer, or graphs.enabled=auto, which picks it)")
-        if t.ema.decay is not None:
-            err("optim.offload_fraction", cfg.optim.offload_fraction, "not with train.ema: the "
-                "EMA follows the fp32 master weights, which megatron's CPU optimizer keeps")
-    if p.sequence_parallel and p.tp == 1:
-        err("parallel.sequence_parallel", True, "needs parallel.tp > 1")
-    if p.fsdp:
-        _validate_fsdp(cfg, graphs, err)
-    if t.precision == "fp8" and cfg.model.spec == "torch":
+    if cfg.model.spec == "torch":
         err("train.precision", "fp8", "FP8 needs Transformer Engine layers (model.spec=te or auto on a GPU)")
-    if t.precision == "fp8" and graphs and cfg.graphs.impl != "te" \
-            and cfg.graphs.scope == "layer":
-        err("graphs.impl", cfg.graphs.impl, "train.precision=fp8 with graphs needs graphs.impl=te "
-                                             "(TE owns the FP8 scaling state around each replay)")
+    if graphs and g.impl != "te" and g.scope == "layer":
+        err("graphs.impl", g.impl, "train.precision=fp8 with graphs needs graphs.impl=te "
+                                   "(TE owns the FP8 scaling state around each replay)")
 
+
+def _validate_offload(cfg: Config, graphs: bool, err) -> None:
+    """optim.offload_fraction: megatron's CPU optimizer against the layout, graphs and EMA."""
+    share = cfg.optim.offload_fraction
+    if not share:
+        return
+    if not cfg.parallel.distributed_optimizer:
+        err("optim.offload_fraction", share, "megatron offloads the distributed optimizer's "
+            "state: needs parallel.distributed_optimizer=true")
+    if graphs and cfg.graphs.scope == "step":
+        err("optim.offload_fraction", share, "not under graphs.scope=step: the CPU part of the "
+            "optimizer step cannot be captured (graphs.scope=layer, or graphs.enabled=auto, "
+            "which picks it)")
+    if cfg.train.ema.decay is not None:
+        err("optim.offload_fraction", share, "not with train.ema: the EMA follows the fp32 "
+            "master weights, which megatron's CPU optimizer keeps")
+
+
+def _validate_between(cfg: Config, arch, err) -> None:
+    """The rules between sections, by topic."""
+    # graphs.enabled=auto picks a path these rules allow: they bind an explicit true
+    graphs = cfg.graphs.enabled is True
+    _validate_layout(cfg, arch, err)
+    _validate_task(cfg, err)
+    _validate_precision(cfg, graphs, err)
+    _validate_recompute(cfg, graphs, err)
+    _validate_offload(cfg, graphs, err)
+    if cfg.parallel.fsdp:
+        _validate_fsdp(cfg, graphs, err)
     if cfg.data.resolution == "native":
         _validate_native(cfg, arch, err)
-    if cfg.data.resolution == "native" and cfg.data.augment.enabled \
-            and cfg.data.augment.auto == "3augment":  # a pack's ops are per patch: no blur
-        err("data.augment.auto", "3augment", "not with data.resolution=native (gaussian blur "
-            "needs an image's neighbouring patches): set data.augment.auto=none or randaugment")
 
-    if cfg.model.distill_token:
-        m = cfg.model
-        why = ("needs task.kind=classification" if task_kind(cfg) != "classification" else
-               "needs model.class_token=true and model.pool=cls (its head reads the token "
-               "after the class token)" if not m.class_token or m.pool != "cls" else
-               "not with data.resolution=native (packs have one class token an image)"
-               if cfg.data.resolution == "native" else None)
-        if why:
-            err("model.distill_token", True, why)
-    dt = cfg.train.distill
-    if dt.teacher:  # the class count and the weights are checked when the teacher is built
-        if task_kind(cfg) != "classification":
-            err("train.distill.teacher", dt.teacher, "distillation is for task.kind="
-                "classification (this run is contrastive)")
-        if cfg.data.resolution == "native":
-            err("train.distill.teacher", dt.teacher, "not with data.resolution=native: the "
-                "teacher takes fixed-size images, not packs")
-        teacher = Path(dt.teacher).expanduser()
-        if dt.teacher.startswith("timm:"):
-            if not dt.teacher[5:]:
-                err("train.distill.teacher", dt.teacher, "'timm:<name>' needs a timm model name")
-        elif teacher.is_dir():
-            if not (teacher / "config.yaml").is_file():
-                err("train.distill.teacher", dt.teacher, "a directory without config.yaml "
-                    "(not a vitgraph run)")
-        elif not teacher.is_file():
-            err("train.distill.teacher", dt.teacher, "no such run directory or weights file "
-                "(or 'timm:<name>')")
-        elif not dt.model:
-            err("train.distill.model", dt.model, f"a weights-file teacher ({dt.teacher}) needs "
-                "its architecture: a registry name (`vitgraph models`)")
-    if dt.model and (not dt.teacher or dt.teacher.startswith("timm:")
-                     or Path(dt.teacher).expanduser().is_dir()):
-        err("train.distill.model", dt.model, "names the architecture of a weights-file "
-            "teacher only (train.distill.teacher)")
 
-    if cfg.task.lock_image and task_kind(cfg) != "contrastive":
-        err("task.lock_image", True, "freezes an image-text pair's image tower (LiT): "
-            "task.kind=contrastive only; a classifier's parts are frozen by model.freeze")
+def validate(cfg: Config, src: str = "<config>", data: bool = True) -> None:
+    """Every key against its declaration (vitgraph.config_keys), each section's rules (beside
+    its dataclass), then the rules between sections; ``data=False`` leaves out data.path's
+    folders. Nothing here depends on the machine or the launch (``check_layout`` takes the
+    world size)."""
 
-    if cfg.train.ema.eval and cfg.train.ema.decay is None:
-        err("train.ema.eval", True, "evaluates the EMA of the weights: set train.ema.decay "
-            "(e.g. 0.9998) too")
+    def err(name, value, why):
+        raise ConfigError(f"{src}: {name}={value!r}: {why}")
 
-    d = cfg.data
-    if not data:
-        return
-    if d.kind == "imagefolder":
-        if not d.path:
-            err("data.path", d.path, "data.kind=imagefolder needs data.path (a folder with train/ and val/)")
-        root = Path(d.path).expanduser()
-        if not root.is_dir():
-            err("data.path", d.path, "no such directory")
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                err("data.path", d.path, f"has no {split}/ folder")
-    elif d.kind == "webdataset":
-        if not d.path or not Path(d.path).expanduser().is_dir():
-            err("data.path", d.path, "data.kind=webdataset needs data.path (a folder of "
-                "train-*.tar and val-*.tar shards)")
+    check_section(cfg, "", src)
+    _validate_data(cfg.data, err)
+    arch = _validate_model(cfg.model, err)
+    _validate_train(cfg.train, err)
+    _validate_parallel(cfg.parallel, err)
+    _validate_between(cfg, arch, err)
+    if data:
+        _validate_data_path(cfg.data, err)
 
 
 def check_layout(cfg: Config, world_size: int, src: str = "<config>") -> None:

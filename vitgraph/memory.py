@@ -301,18 +301,8 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
     out = MemoryPlan(layout, mb, microbatches, recompute.name,
                      graphs.scope if graphs.config.enabled else "eager", t.precision)
     for stage in range(layout.pp):
-        mine = {vp * layout.pp + stage for vp in range(layout.vpp)}
-        n = n_tr = 0
-        for q in model.params:
-            if q.layer is not None:
-                on = q.layer // per_chunk in mine
-            else:
-                on = (stage == 0) if q.first else (stage == layout.pp - 1)
-            if not on:
-                continue
-            k = q.numel // layout.tp if q.split else q.numel
-            n += k
-            n_tr += k if q.trainable else 0
+        mine = {vp * layout.pp + stage for vp in range(layout.vpp)}  # its model chunks
+        n, n_tr = _stage_params(model, layout, stage, mine, per_chunk)
         shard = layout.dp if layout.distributed_optimizer or layout.fsdp else 1
         weights = n * (2 if bf16 else 4) + (2 * n if step_fp8 else 0)
         grads = n_tr * (4 if (p.grad_reduce_in_fp32 or not bf16) else 2)
@@ -325,24 +315,51 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
         state = n_tr * ((4 if bf16 else 0) + 8) / shard
         optimizer = int(state * (1 - offload))
         ema = int(n_tr * 4 / shard) if t.ema.decay is not None else 0
-        kept = working = 0
-        for s in model.stacks:
-            padded = s.name == "image" and not packed
-            tokens = mb * (_padded(s.tokens, mb, layout, fp8) if padded else s.tokens)
-            layers = per_chunk if s.name == "image" else s.layers
-            k, w = _stack_activations(s, layers, tokens, layout, fp8 and not step_fp8, recompute)
-            # the embedding (patches, positions) and the head's norm: 8 h per token
-            side = 8 * s.hidden * tokens // (layout.tp if layout.sequence_parallel else 1)
-            if s.name == "image" and stage == 0:
-                side += mb * model.image_bytes if not packed else s.tokens * model.image_bytes
-            kept += k + side
-            working = max(working, w)
-        if len(model.stacks) > 1:  # contrastive logits over the global batch, fp32, and grads
-            kept += 3 * 4 * mb * mb * layout.dp
+        kept, working = _stage_activations(model, layout, stage, mb, per_chunk, packed, fp8,
+                                           step_fp8, recompute)
         held = in_flight(layout, stage, microbatches)
         out.stages.append(Stage(stage, n, n_tr, weights, grads, optimizer, ema,
                                 kept * held * (2 if twice else 1), held, working))
     return out
+
+
+def _stage_params(model: Model, layout: Layout, stage: int, chunks: set[int],
+                  per_chunk: int) -> tuple[int, int]:
+    """(parameters, trainable parameters) on one GPU of pipeline stage ``stage``, which holds
+    the model chunks ``chunks`` (the embedding on the first stage, the head on the last)."""
+    n = n_tr = 0
+    for q in model.params:
+        if q.layer is not None:
+            on = q.layer // per_chunk in chunks
+        else:
+            on = (stage == 0) if q.first else (stage == layout.pp - 1)
+        if not on:
+            continue
+        k = q.numel // layout.tp if q.split else q.numel
+        n += k
+        n_tr += k if q.trainable else 0
+    return n, n_tr
+
+
+def _stage_activations(model: Model, layout: Layout, stage: int, mb: int, per_chunk: int,
+                       packed: bool, fp8: bool, step_fp8: bool, recompute) -> tuple[int, int]:
+    """(kept per microbatch, transient working set) of pipeline stage ``stage``: every
+    tower's layers, embedding and norms, the input images on the first stage."""
+    kept = working = 0
+    for s in model.stacks:
+        padded = s.name == "image" and not packed
+        tokens = mb * (_padded(s.tokens, mb, layout, fp8) if padded else s.tokens)
+        layers = per_chunk if s.name == "image" else s.layers
+        k, w = _stack_activations(s, layers, tokens, layout, fp8 and not step_fp8, recompute)
+        # the embedding (patches, positions) and the head's norm: 8 h per token
+        side = 8 * s.hidden * tokens // (layout.tp if layout.sequence_parallel else 1)
+        if s.name == "image" and stage == 0:
+            side += mb * model.image_bytes if not packed else s.tokens * model.image_bytes
+        kept += k + side
+        working = max(working, w)
+    if len(model.stacks) > 1:  # contrastive logits over the global batch, fp32, and grads
+        kept += 3 * 4 * mb * mb * layout.dp
+    return kept, working
 
 
 def _chunks(layout: Layout):

@@ -143,7 +143,7 @@ def _is_pair(m) -> bool:
 
 def _is_tower(vit) -> bool:
     """A ViT built as CLIP's image tower (ln_pre, a projection or attention pooling)."""
-    return any(hasattr(vit, a) for a in ("ln_pre", "proj", "attn_pool"))
+    return any(part is not None for part in (vit.ln_pre, vit.proj, vit.attn_pool))
 
 
 def heads_of(model) -> tuple[int, int | None]:
@@ -173,17 +173,7 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
     if not pair and _is_tower(vit) and any(k.startswith("visual.") for k in sd):
         sd = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
     names = _global_names(vit)
-    if pair or (vit.pre_process and vit.post_process):
-        known = set(names.values())  # the whole model is here
-    else:  # a pipeline stage: unexpected means unknown to every stage
-        known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers,
-                               vit.pool, getattr(vit, "distill_token", False))
-    unexpected = sorted(set(sd) - known)
-    if unexpected:
-        raise ConvertError(f"{source}: unexpected key {name_of(unexpected[0])!r}"
-                           + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-                           + " for this model (check model.name, model.num_registers, "
-                             "model.class_token, model.distill_token)")
+    _check_unexpected(vit, sd, names, pair, source, name_of)
     no_text = pair and not any(k.startswith("text.") for k in sd)
     report = {"head_reinitialised": False, "pos_embed_resized": None, "kept": []}
     own = vit.state_dict()
@@ -214,6 +204,27 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
             raise ConvertError(f"{source}: {name_of(name)!r} has shape {tuple(value.shape)}, "
                                f"the model wants {tuple(target.shape)}")
         target.copy_(value.to(target.dtype))
+    _log_report(report, vit, sd, pair, no_text)
+    return report
+
+
+def _check_unexpected(vit, sd: dict, names: dict, pair: bool, source: str, name_of) -> None:
+    """A ConvertError naming the first key of ``sd`` that no part of the model has."""
+    if pair or (vit.pre_process and vit.post_process):
+        known = set(names.values())  # the whole model is here
+    else:  # a pipeline stage: unexpected means unknown to every stage
+        known = expected_names(vit.arch, vit.num_prefix, vit.class_token, vit.num_registers,
+                               vit.global_pool, vit.distill_token)
+    unexpected = sorted(set(sd) - known)
+    if unexpected:
+        raise ConvertError(f"{source}: unexpected key {name_of(unexpected[0])!r}"
+                           + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                           + " for this model (check model.name, model.num_registers, "
+                             "model.class_token, model.distill_token)")
+
+
+def _log_report(report: dict, vit, sd: dict, pair: bool, no_text: bool) -> None:
+    """One log line for each thing load_into_model did not copy as it came."""
     if report["head_reinitialised"] and getattr(vit, "post_process", False):
         have = sd.get("head.weight")
         log.info("init: head re-initialised (%s; the model has %d classes)",
@@ -225,7 +236,6 @@ def load_into_model(model, sd: dict[str, torch.Tensor], source: str = "weights",
         log.info("init: %d tensors not in the weights kept as initialised (%s)",
                  len(report["kept"]), "the text tower and the logit scale" if no_text
                  else ", ".join(report["kept"]))
-    return report
 
 
 def _size_of(sd: dict, prefix: str) -> dict | None:

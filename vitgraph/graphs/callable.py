@@ -427,12 +427,12 @@ class GraphedCallable:
             return [(x.detach() if share is not None and share(x) else x.detach().clone())
                     .requires_grad_(x.requires_grad) for x in flat]
 
-    def _capture(self, index: int, flat: list, spec: tuple) -> Slot:
+    def _capture_forward(self, flat: list, static_in: list, spec: tuple, params: list,
+                         diff_in: list, pool) -> tuple:
+        """Warm up on a side stream (``warmup_iters`` eager forwards and backwards into zero
+        gradients), then capture the forward on ``static_in`` into ``pool``: (the forward
+        graph, its output spec, the parameters whose fused wgrad wrote main_grad)."""
         backend = self.backend
-        slot = Slot(index)
-        group = self.group if index == 0 else None  # further slots: private pools, copies
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        static_in = self._static_inputs(flat, group.owns if group is not None else None)
         holder: dict = {}
         forward_fn = self.forward_fn
         autocast = autocast_without_cache(flat)
@@ -445,9 +445,6 @@ class GraphedCallable:
             holder["spec"] = out_spec
             return leaves
 
-        diff_in = [s for s in static_in if s.requires_grad] + params
-
-        pool = group.pool() if group is not None else backend.make_pool()  # see "Memory" above
         rng = backend.rng_snapshot()
         try:
             with ParamSideEffects(params) as side, capture_flags():
@@ -462,16 +459,27 @@ class GraphedCallable:
                 fwd = backend.capture(run_forward, pool)
         finally:
             backend.rng_restore(rng)
+        return fwd, holder["spec"], side.fused
+
+    def _capture(self, index: int, flat: list, spec: tuple) -> Slot:
+        backend = self.backend
+        slot = Slot(index)
+        group = self.group if index == 0 else None  # further slots: private pools, copies
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        static_in = self._static_inputs(flat, group.owns if group is not None else None)
+        diff_in = [s for s in static_in if s.requires_grad] + params
+        pool = group.pool() if group is not None else backend.make_pool()  # see "Memory" above
+        fwd, out_spec, fused = self._capture_forward(flat, static_in, spec, params, diff_in, pool)
         outs = fwd.outputs
         out_rg = [o.requires_grad for o in outs]
 
         slot.static_in = static_in
         slot.params = params
         slot.fwd = fwd
-        slot.out_spec = holder["spec"]
+        slot.out_spec = out_spec
         slot.out_rg = out_rg
         slot.grad_bufs = [None] * len(outs)
-        slot.fused = side.fused
+        slot.fused = fused
         slot.pool_bytes = fwd.pool_bytes
         has_bwd = any(out_rg) and bool(diff_in)
         slot.grad_map, j = [], 0

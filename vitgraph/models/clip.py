@@ -42,6 +42,7 @@ class CLIP(MegatronModule):
         self.init_logit_scale, self.init_logit_bias = init_logit_scale, init_logit_bias
         device = next(visual.parameters()).device
         self.logit_scale = torch.nn.Parameter(torch.tensor(float(init_logit_scale), device=device))
+        self.logit_bias = None
         if init_logit_bias is not None:
             self.logit_bias = torch.nn.Parameter(torch.tensor(float(init_logit_bias), device=device))
 
@@ -53,7 +54,7 @@ class CLIP(MegatronModule):
 
     @property
     def has_bias(self) -> bool:
-        return hasattr(self, "logit_bias")
+        return self.logit_bias is not None
 
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         x = self.visual(images)

@@ -98,10 +98,6 @@ def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: i
     names = global_names(model)
     std = model.config.init_method_std
     layers = model.config.num_layers
-    patch_fan_in = None
-    if hasattr(model, "patch_embed"):
-        w = model.patch_embed.weight
-        patch_fan_in = w.shape[1] * w.shape[2] * w.shape[3]
     for local, p in model.named_parameters():
         name = names[local]
         shape = list(p.shape)
@@ -110,7 +106,8 @@ def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: i
             shape[dim] *= tp_size
         gen = torch.Generator().manual_seed(_seed(seed, prefix + name))
         if name == "patch_embed.bias":  # torch's Conv2d: the weight's fan-in bounds the bias
-            bound = 1.0 / math.sqrt(patch_fan_in)
+            w = model.patch_embed.weight
+            bound = 1.0 / math.sqrt(w.shape[1] * w.shape[2] * w.shape[3])
             full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
         else:
             full = _draw(name, shape, gen, std, layers)

@@ -80,15 +80,10 @@ class ViT(MegatronModule):
                  patch_bias: bool = True, pack=None, packed_attention: str = "thd",
                  pos_interp: str = "bicubic", distill_token: bool = False):
         super().__init__(config=config)
+        _check_head(head, pool, embed_dim, class_token, distill_token)
         # read by megatron's Float16Module to find the first / last virtual stage: without it
         # the first chunk's input stayed fp32 under interleaving and its bf16 conv failed
         self.vp_stage = vp_stage
-        if head not in ("classifier", "proj", "map"):
-            raise ValueError(f"head={head!r}: classifier | proj | map")
-        if head == "proj" and not embed_dim:
-            raise ValueError("head='proj' needs embed_dim (the joint embedding width)")
-        if distill_token and (not class_token or pool != "cls" or head != "classifier"):
-            raise ValueError("distill_token needs class_token, pool='cls' and the classifier head")
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.share_embeddings_and_output_weights = False  # read by finalize_model_grads
         # micro-batch -> multiple to pad the token count to (None: never pad); see the docstring
@@ -97,54 +92,69 @@ class ViT(MegatronModule):
         self.arch = arch
         self.pre_process, self.post_process = pre_process, post_process
         self.num_prefix = int(class_token) + int(distill_token) + num_registers
-        self.class_token, self.num_registers, self.pool = class_token, num_registers, pool
+        self.class_token, self.num_registers = class_token, num_registers
         self.distill_token = distill_token
-        d = arch.hidden_size
+        # what pool() reads: map (attention pooling; pool=map puts a classifier on it) |
+        # distill (the class and distillation tokens) | cls (the class token) | mean (patches)
+        self.global_pool = ("map" if head == "map" or pool == "map" else
+                            "distill" if distill_token else
+                            "cls" if pool == "cls" and class_token else "mean")
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        dtype = config.params_dtype
+        kw = dict(device=device, dtype=config.params_dtype)
+        # the optional parts, None where this configuration or pipeline stage has none
+        self.patch_embed = self.cls_token = self.dist_token = self.registers = None
+        self.pos_embed = self.ln_pre = self.final_norm = None
+        self.attn_pool = self.proj = self.head = self.head_dist = None
         if pre_process:
-            self.patch_embed = torch.nn.Conv2d(3, d, arch.patch_size, arch.patch_size,
-                                               bias=patch_bias, device=device, dtype=dtype)
-            if class_token:
-                self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, d, device=device, dtype=dtype))
-            if distill_token:
-                self.dist_token = torch.nn.Parameter(torch.zeros(1, 1, d, device=device, dtype=dtype))
-            if num_registers:
-                self.registers = torch.nn.Parameter(
-                    torch.zeros(1, num_registers, d, device=device, dtype=dtype))
-            self.pos_embed = torch.nn.Parameter(torch.empty(
-                1, self.num_prefix + arch.num_patches(), d, device=device, dtype=dtype))
-            torch.nn.init.trunc_normal_(self.pos_embed, std=0.02)
-            for p in self._prefix_params():
-                torch.nn.init.trunc_normal_(p, std=0.02)
-            if ln_pre:
-                self.ln_pre = LayerNorm(d, eps=config.layernorm_epsilon, device=device,
-                                        dtype=dtype)
+            self._make_embedding(patch_bias, ln_pre, kw)
         self.decoder = TransformerBlock(config, layer_spec, post_layer_norm=False,
                                         pre_process=pre_process, post_process=post_process,
                                         vp_stage=vp_stage)
         if post_process:
-            # vitgraph.models.fused_norm's kernels: torch's LayerNorm backward spends 245 us in its
-            # weight-gradient kernel alone here (ViT-L, mb 256, an H200)
-            self.final_norm = LayerNorm(d, eps=config.layernorm_epsilon, device=device,
-                                        dtype=dtype)
-            if head == "map" or pool == "map":  # pool=map: a classifier on the pooled token
-                self.attn_pool = AttentionPool(d, arch.num_heads, arch.ffn_hidden_size, config,
-                                               device=device, dtype=dtype)
-            if head == "proj":
-                self.proj = torch.nn.Linear(d, embed_dim, bias=False, device=device, dtype=dtype)
-                torch.nn.init.normal_(self.proj.weight, std=d ** -0.5)
-            elif head == "classifier":
-                self.head = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
-                torch.nn.init.zeros_(self.head.weight)
-                torch.nn.init.zeros_(self.head.bias)
-                if distill_token:
-                    self.head_dist = torch.nn.Linear(d, num_classes, device=device, dtype=dtype)
-                    torch.nn.init.zeros_(self.head_dist.weight)
-                    torch.nn.init.zeros_(self.head_dist.bias)
+            self._make_head(head, num_classes, embed_dim, kw)
         self.pack = None
         if pack is not None:
             self.use_pack(pack, packed_attention, pos_interp)
+
+    def _make_embedding(self, patch_bias: bool, ln_pre: bool, kw: dict) -> None:
+        """The first stage's parts: patch embedding, prefix tokens, positions, ln_pre."""
+        arch, d = self.arch, self.arch.hidden_size
+        self.patch_embed = torch.nn.Conv2d(3, d, arch.patch_size, arch.patch_size,
+                                           bias=patch_bias, **kw)
+        if self.class_token:
+            self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, d, **kw))
+        if self.distill_token:
+            self.dist_token = torch.nn.Parameter(torch.zeros(1, 1, d, **kw))
+        if self.num_registers:
+            self.registers = torch.nn.Parameter(torch.zeros(1, self.num_registers, d, **kw))
+        self.pos_embed = torch.nn.Parameter(torch.empty(
+            1, self.num_prefix + arch.num_patches(), d, **kw))
+        torch.nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        for p in self._prefix_params():
+            torch.nn.init.trunc_normal_(p, std=0.02)
+        if ln_pre:
+            self.ln_pre = LayerNorm(d, eps=self.config.layernorm_epsilon, **kw)
+
+    def _make_head(self, head: str, num_classes: int, embed_dim: int | None, kw: dict) -> None:
+        """The last stage's parts: final norm, attention pooling, projection or classifier."""
+        d = self.arch.hidden_size
+        # vitgraph.models.fused_norm's kernels: torch's LayerNorm backward spends 245 us in its
+        # weight-gradient kernel alone here (ViT-L, mb 256, an H200)
+        self.final_norm = LayerNorm(d, eps=self.config.layernorm_epsilon, **kw)
+        if self.global_pool == "map":
+            self.attn_pool = AttentionPool(d, self.arch.num_heads, self.arch.ffn_hidden_size,
+                                           self.config, **kw)
+        if head == "proj":
+            self.proj = torch.nn.Linear(d, embed_dim, bias=False, **kw)
+            torch.nn.init.normal_(self.proj.weight, std=d ** -0.5)
+        elif head == "classifier":
+            self.head = torch.nn.Linear(d, num_classes, **kw)
+            torch.nn.init.zeros_(self.head.weight)
+            torch.nn.init.zeros_(self.head.bias)
+            if self.distill_token:
+                self.head_dist = torch.nn.Linear(d, num_classes, **kw)
+                torch.nn.init.zeros_(self.head_dist.weight)
+                torch.nn.init.zeros_(self.head_dist.bias)
 
     def use_pack(self, pack, attention: str = "thd", pos_interp: str = "bicubic") -> None:
         """Take packs of ``pack`` (a PackSpec) from now on (see the module docstring); the
@@ -167,8 +177,7 @@ class ViT(MegatronModule):
         self.pad_to = None  # a pack is its own fixed length
 
     def _prefix_params(self):
-        return [p for p in (getattr(self, "cls_token", None), getattr(self, "dist_token", None),
-                            getattr(self, "registers", None)) if p is not None]
+        return [p for p in (self.cls_token, self.dist_token, self.registers) if p is not None]
 
     def set_input_tensor(self, input_tensor):
         """Pipeline stages after the first take their input from the previous stage."""
@@ -203,7 +212,7 @@ class ViT(MegatronModule):
         x = F.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)  # [n, b, d]
         prefix = [t.transpose(0, 1).expand(-1, b, -1) for t in self._prefix_params()]
         x = torch.cat([*prefix, x]) + self._pos_embed(gw).transpose(0, 1)
-        if hasattr(self, "ln_pre"):
+        if self.ln_pre is not None:
             x = self.ln_pre(x)
         return x.contiguous()
 
@@ -225,10 +234,22 @@ class ViT(MegatronModule):
 
     def forward(self, images: torch.Tensor | None = None, coords=None, seg=None,
                 cu_seqlens=None) -> torch.Tensor:
+        """Images [b, 3, H, W] -> [b, classes | embed_dim | d], or a pack (``images`` its patch
+        rows, or the four fields as one tuple) -> [M, ...], one row per image slot; a stage
+        before the last returns its hidden states."""
+        if self.pack is not None and isinstance(images, (tuple, list)):
+            images, coords, seg, cu_seqlens = images  # CLIP hands the pack on as one argument
+        hidden = self.forward_features(images, coords, seg, cu_seqlens)
+        if not self.post_process:
+            return hidden
+        return self.forward_head(self.pool(hidden, coords, seg, cu_seqlens))
+
+    def forward_features(self, images: torch.Tensor | None, coords=None, seg=None,
+                         cu_seqlens=None) -> torch.Tensor:
+        """The encoder. On the last stage the tokens after the final norm, [s, b, d] (padding
+        dropped), or [T, d] for a pack; on another stage its output for the next."""
         if self.pack is not None:
-            if isinstance(images, (tuple, list)):  # CLIP hands the pack on as one argument
-                images, coords, seg, cu_seqlens = images
-            return self._forward_packed(images, coords, seg, cu_seqlens)
+            return self._features_packed(images, coords, seg, cu_seqlens)
         sp = self.config.sequence_parallel
         if self.pre_process:
             hidden = self.embed(images)
@@ -251,19 +272,34 @@ class ViT(MegatronModule):
         if sp:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=False)
-        hidden = hidden[: self.seq_len]
-        hidden = self.final_norm(hidden)
-        if self.distill_token:  # [b, 2, classes]: the class head's logits, the distillation head's
-            return torch.stack([self.head(hidden[0]), self.head_dist(hidden[1])], dim=1)
-        if hasattr(self, "attn_pool"):
-            feats = self.attn_pool(hidden[self.num_prefix:].transpose(0, 1))
-        elif self.pool == "cls" and self.class_token:
-            feats = hidden[0]
-        else:
-            feats = hidden[self.num_prefix:].mean(dim=0)
-        if hasattr(self, "proj"):
+        return self.final_norm(hidden[: self.seq_len])
+
+    def pool(self, hidden: torch.Tensor, coords=None, seg=None, cu_seqlens=None) -> torch.Tensor:
+        """forward_features' tokens -> image features: [b, d] ([2, b, d] for ``distill``: the
+        class and distillation tokens), or [M, d] per image slot of a pack."""
+        if self.pack is not None:
+            M = self.pack.max_images
+            if self.global_pool == "map":
+                return pk.pool_attention(self.attn_pool, hidden, seg, coords, M)
+            if self.global_pool == "cls":
+                return pk.pool_cls(hidden, cu_seqlens, M)
+            return pk.pool_mean(hidden, seg, coords, M)
+        if self.global_pool == "map":
+            return self.attn_pool(hidden[self.num_prefix:].transpose(0, 1))
+        if self.global_pool == "cls":
+            return hidden[0]
+        if self.global_pool == "distill":
+            return hidden[:2]
+        return hidden[self.num_prefix:].mean(dim=0)
+
+    def forward_head(self, feats: torch.Tensor) -> torch.Tensor:
+        """Image features -> the output: logits, the projection, or the features themselves
+        (head="map")."""
+        if self.head_dist is not None:  # [b, 2, classes]: the class head's, the distillation head's
+            return torch.stack([self.head(feats[0]), self.head_dist(feats[1])], dim=1)
+        if self.proj is not None:
             return self.proj(feats)
-        return self.head(feats) if hasattr(self, "head") else feats
+        return self.head(feats) if self.head is not None else feats
 
     def embed_packed(self, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
         """[T, 3 p^2] patch rows -> [T, d] tokens (vitgraph.models.packed.embed_tokens)."""
@@ -274,11 +310,11 @@ class ViT(MegatronModule):
             prefix = torch.cat([t[0] for t in self._prefix_params()]) + pos[0, :P]
         out = pk.embed_tokens(x, coords, conv.weight.reshape(conv.out_channels, -1), conv.bias,
                               pos[0, P:].view(g, g, -1), prefix, self.pos_interp)
-        if hasattr(self, "ln_pre"):
+        if self.ln_pre is not None:
             out = self.ln_pre(out)
         return out
 
-    def _forward_packed(self, x, coords, seg, cu_seqlens) -> torch.Tensor:
+    def _features_packed(self, x, coords, seg, cu_seqlens) -> torch.Tensor:
         sp = self.config.sequence_parallel
         spec, T, M = self.pack, self.pack_len, self.pack.max_images
         padded = self.packed_attention == "padded"
@@ -308,16 +344,17 @@ class ViT(MegatronModule):
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=False)
         hidden = hidden.transpose(0, 1).reshape(T, -1) if padded else hidden[:, 0]
-        hidden = self.final_norm(hidden)
-        if hasattr(self, "attn_pool"):
-            feats = pk.pool_attention(self.attn_pool, hidden, seg, coords, M)
-        elif self.pool == "cls" and self.class_token:
-            feats = pk.pool_cls(hidden, cu_seqlens, M)
-        else:
-            feats = pk.pool_mean(hidden, seg, coords, M)
-        if hasattr(self, "proj"):
-            return self.proj(feats)
-        return self.head(feats) if hasattr(self, "head") else feats
+        return self.final_norm(hidden)
+
+
+def _check_head(head: str, pool: str, embed_dim: int | None, class_token: bool,
+                distill_token: bool) -> None:
+    if head not in ("classifier", "proj", "map"):
+        raise ValueError(f"head={head!r}: classifier | proj | map")
+    if head == "proj" and not embed_dim:
+        raise ValueError("head='proj' needs embed_dim (the joint embedding width)")
+    if distill_token and (not class_token or pool != "cls" or head != "classifier"):
+        raise ValueError("distill_token needs class_token, pool='cls' and the classifier head")
 
 
 class AttentionPool(torch.nn.Module):
