@@ -269,7 +269,7 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
     from vitgraph.parallel.setup import init_distributed, shutdown
     from vitgraph.plan import resolve_plan
     from vitgraph.tasks.classification import ClassificationTask
-    from vitgraph.train.checkpoint import latest
+    from vitgraph.convert.checkpoints import latest
     _train(tmp_path / "teacher", 5)
     cfg = load_config(TINY, [*RUN, "train.steps=1", f"run.dir={tmp_path / 'student'}",
                              f"train.distill.teacher={tmp_path / 'teacher'}",

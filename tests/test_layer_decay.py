@@ -30,7 +30,7 @@ def expected_layer(name: str, depth: int = LAYERS) -> int:
 
 def group_rows(trainer) -> list[tuple]:
     """(global name, lr, max_lr, min_lr, wd_mult) of every trainable parameter."""
-    from vitgraph.train.optim import global_names
+    from vitgraph.models.freeze import global_names
     names = {}
     for c in trainer.chunks:
         names.update(global_names(c))

@@ -224,7 +224,7 @@ def test_two_interleaved_stages_never_batch_their_p2p():
     """pp=2 x vpp: the previous and the next stage are one peer, and a batched exchange swaps
     activation and gradient (seen on two H200s; pp2-vpp2 above fails on gloo when batched).
     Every other layout batches, on CPU as on GPU, so the CPU curves test the GPU's p2p path."""
-    from vitgraph.parallel.setup import p2p_mode
+    from vitgraph.plan import p2p_mode
     assert p2p_mode(2, 2, overlap=False)["batch_p2p_comm"] is False
     assert p2p_mode(2, 1, overlap=False)["batch_p2p_comm"] is True
     assert p2p_mode(4, 2, overlap=False)["batch_p2p_comm"] is True

@@ -21,7 +21,7 @@ from conftest import ROOT, checkpoint_tensors, free_port, tiny_overrides, vitgra
 from vitgraph.cli import main
 from vitgraph.config import ConfigError, load_config, save_config
 from faults import nan_loss_at
-from vitgraph.parallel.setup import Dist
+from vitgraph.parallel.dist import Dist
 from vitgraph.train import checkpoint
 from vitgraph.train.preempt import PREEMPTED_EXIT
 from vitgraph.train.runcheck import check_run_dir

@@ -15,13 +15,13 @@ import torch
 
 from vitgraph.config import Config, ConfigError, graph_constraints, task_kind
 from vitgraph.data.packing import PackSpec
-from vitgraph.graphs.auto import GraphPath
+from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.build import token_multiple, use_fused_norm
+from vitgraph.models.clip import IMAGE_TOWER
 from vitgraph.models.registry import (CLIP_MODELS, CLIPArch, ViTArch, resolve_arch,
                                       resolve_clip_arch, resolve_pos_interp)
 from vitgraph.models.specs import resolve_spec
 from vitgraph.models.vit import sequence_length
-from vitgraph.parallel.setup import Dist, p2p_mode
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Plan:
     graphs: GraphPath
     dp: int  # data-parallel size, from the process groups
     cuda: bool
-    p2p: dict = field(default_factory=dict)  # megatron's p2p settings (parallel.setup.p2p_mode)
+    p2p: dict = field(default_factory=dict)  # megatron's p2p settings (p2p_mode)
     # data.resolution=native: the pack layout of every microbatch (None: fixed resolution)
     pack: PackSpec | None = None
     pos_interp: str = "bicubic"  # how a pack's images resample the position grid
@@ -91,7 +91,7 @@ class Recompute:
         return self.granularity or "none"
 
 
-def recompute_plan(cfg: Config, d: Dist | None = None) -> Recompute:
+def recompute_plan(cfg: Config, d=None) -> Recompute:
     """train.recompute* for a layout with ``d.pp`` x ``d.vpp`` chunks of the encoder (the
     config's parallel section without ``d``)."""
     t = cfg.train
@@ -122,18 +122,17 @@ def pack_spec(cfg: Config) -> PackSpec | None:
                     min_patches=k.min_patches)
 
 
-def graph_path(cfg: Config, d: Dist) -> GraphPath:
+def graph_path(cfg: Config, d) -> GraphPath:
     """The graph path of this run, and why (``graphs.enabled: auto`` resolved by
     vitgraph.graphs.auto): chosen once, before the process groups were made (they need it for
     NCCL's settings, the capture stream and the RNG)."""
     if d.graphs is not None:
         return d.graphs
-    from vitgraph.graphs.auto import choose_graphs
     return choose_graphs(cfg.graphs, d.cuda, cfg.train.precision, cfg.train.fp8_recipe, d.tp,
                          **graph_constraints(cfg))
 
 
-def resolve_plan(cfg: Config, d: Dist) -> Plan:
+def resolve_plan(cfg: Config, d) -> Plan:
     """``cfg`` resolved for this rank (``d``: the process groups, made already)."""
     t, m, p = cfg.train, cfg.model, cfg.parallel
     graphs = graph_path(cfg, d)
@@ -160,3 +159,29 @@ def resolve_plan(cfg: Config, d: Dist) -> Plan:
                 graphs=graphs, dp=d.dp, cuda=d.cuda, p2p=p2p, pack=pack,
                 pos_interp=resolve_pos_interp(m), recompute=recompute_plan(cfg, d),
                 fsdp=p.fsdp)
+
+
+def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:
+    """How stages exchange activations and gradients (megatron's p2p settings), the same on
+    CPU (gloo) and GPU (NCCL).
+
+    Batched: one batch_isend_irecv per exchange. Not for two stages with interleaving: there
+    each rank's previous and next stage are the same peer, and one exchange sends it both the
+    activation (to next) and the gradient (to prev). Batched sends to one peer are matched to
+    its receives in posting order, which megatron's batch lists differently on the two sides,
+    so activation and gradient swap, silently (same shape; on two H200s the gradient norm
+    read 1e12). Unbatched, megatron sends one direction through another communicator.
+    ``overlap`` (interleaved only): posted one by one and overlapped with compute.
+    No device-wide sync after a batch: megatron's workaround for old PyTorch, and a sync
+    cannot be captured in a whole-step graph."""
+    batch = not overlap and not (pp == 2 and vpp > 1)
+    return dict(batch_p2p_comm=batch, overlap_p2p_comm=overlap, batch_p2p_sync=False)
+
+
+def freeze_rules(cfg: Config) -> list[tuple[str, str]]:
+    """(config key, fnmatch pattern) pairs of what a run leaves out of training:
+    model.freeze, and task.lock_image's image tower (vitgraph.models.clip.IMAGE_TOWER)."""
+    rules = [("model.freeze", pat) for pat in cfg.model.freeze or ()]
+    if cfg.task.lock_image:
+        rules.append(("task.lock_image", IMAGE_TOWER))
+    return rules

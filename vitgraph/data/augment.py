@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph.config_keys import ConfigError, check_section, declared, key
-from vitgraph.data.loader import MEAN, STD, to_device_uint8
+from vitgraph.data.loader import MEAN, STD, to_device_uint8, to_model_input
 
 GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
 COLOUR = ("identity", "autocontrast", "equalize", "brightness", "color", "contrast",
@@ -420,7 +420,6 @@ def prepare_batch(augment: BatchAugment | None, images, labels: torch.Tensor, ke
                   image_size: int, device, dtype=torch.float32, first_stage: bool = True):
     """(model input or None, targets on ``device``) for one microbatch; ``key`` None (eval) or
     no ``augment`` gives the plain eval transform and the labels."""
-    from vitgraph.data.loader import to_model_input
     if augment is None or key is None:
         x = to_model_input(images, image_size, device, dtype) if first_stage else None
         return x, labels.to(device, non_blocking=True)

@@ -6,7 +6,7 @@ pipeline-parallel layers come from megatron-core, and the weights are drawn
 layout-independently (vitgraph.models.init). Precision, data parallelism and graphs are
 applied afterwards, from outside (vitgraph.parallel.setup.parallelize).
 
-``d`` below is the rank's place in the process groups (vitgraph.parallel.setup.Dist): tp,
+``d`` below is the rank's place in the process groups (vitgraph.parallel.dist.Dist): tp,
 pp, vpp, its ranks and device. Nothing here reads the raw config or the environment.
 """
 from __future__ import annotations

@@ -40,6 +40,7 @@ from megatron.core.utils import get_pg_rank
 
 from vitgraph.models.fused_act import bias_act
 from vitgraph.models.fused_norm import add, add_layer_norm, layer_norm
+from vitgraph.models.packed import block_diagonal, segment_attention
 
 SPECS = ("te", "torch")
 
@@ -321,7 +322,6 @@ class SDPAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd and attention_mask is None and not self.causal:
-            from vitgraph.models.packed import segment_attention
             p = packed_seq_params
             if p.cu_seqlens_kv is not p.cu_seqlens_q:  # no host read to compare them
                 raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
@@ -334,7 +334,6 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         keep = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         if thd:
-            from vitgraph.models.packed import block_diagonal
             cu = packed_seq_params.cu_seqlens_q
             if packed_seq_params.cu_seqlens_kv is not cu:  # no host read to compare them
                 raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")

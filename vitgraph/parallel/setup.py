@@ -19,47 +19,24 @@ import datetime
 import logging
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
 
 from vitgraph.config import Config, ConfigError, check_layout, graph_constraints
-from vitgraph.graphs.auto import GraphPath, choose_graphs
+from vitgraph.graphs import GraphManager, StepGraphs, use_side_stream
+from vitgraph.graphs.auto import choose_graphs
+from vitgraph.graphs.off import NoGraphs
+from vitgraph.models.freeze import freeze as freeze_params
 from vitgraph.models.specs import resolve_spec
 from vitgraph.parallel import cpu_shims, fsdp
+from vitgraph.parallel.dist import Dist
 
 log = logging.getLogger("vitgraph")
-
-
-@dataclass
-class Dist:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    tp: int
-    pp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    vpp: int = 1
-    graphs: GraphPath | None = None  # the graph path chosen for this run (graphs.enabled: auto)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
 
 
 def _free_port() -> int:
@@ -110,7 +87,6 @@ def init_distributed(cfg: Config) -> Dist:
     if cuda and graphs.enabled:
         # graphs capture on the training stream, which must not be the legacy default stream
         # (megatron DDP's grad-accumulation nodes remember the stream they were made on)
-        from vitgraph.graphs import use_side_stream
         use_side_stream(device)
     seed_everything(cfg.train.seed, d, graphs=graphs.enabled,
                     te=resolve_spec(cfg.model.spec) == "te")
@@ -197,23 +173,6 @@ def shutdown(failed: bool = False) -> None:
     dist.destroy_process_group()
 
 
-def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:
-    """How stages exchange activations and gradients (megatron's p2p settings), the same on
-    CPU (gloo) and GPU (NCCL).
-
-    Batched: one batch_isend_irecv per exchange. Not for two stages with interleaving: there
-    each rank's previous and next stage are the same peer, and one exchange sends it both the
-    activation (to next) and the gradient (to prev). Batched sends to one peer are matched to
-    its receives in posting order, which megatron's batch lists differently on the two sides,
-    so activation and gradient swap, silently (same shape; on two H200s the gradient norm
-    read 1e12). Unbatched, megatron sends one direction through another communicator.
-    ``overlap`` (interleaved only): posted one by one and overlapped with compute.
-    No device-wide sync after a batch: megatron's workaround for old PyTorch, and a sync
-    cannot be captured in a whole-step graph."""
-    batch = not overlap and not (pp == 2 and vpp > 1)
-    return dict(batch_p2p_comm=batch, overlap_p2p_comm=overlap, batch_p2p_sync=False)
-
-
 ALIGN_BYTES = 256
 
 
@@ -234,18 +193,15 @@ def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
 def parallelize(chunks: list, plan, p, d: Dist, freeze: list | None = None):
     """Apply precision, data parallelism and graphs (in that order) to every chunk, as the
     plan (vitgraph.plan.Plan: its graph path) and the ``parallel:`` section ``p`` say.
-    ``freeze``: (config key, pattern) rules (vitgraph.train.optim.freeze_rules) whose
+    ``freeze``: (config key, pattern) rules (vitgraph.plan.freeze_rules) whose
     parameters are frozen first, so DDP, the optimizer and the graphs leave them out.
     Returns (wrapped chunks, graphs: a graph manager, or NoGraphs)."""
     if freeze:
-        from vitgraph.train.optim import freeze as freeze_params
         n = freeze_params(chunks, freeze, d.pp_rank, d.pp)
         log.info("frozen: %d parameter tensors on this rank (%s)", n,
                  ", ".join(f"{k}={pat}" for k, pat in freeze))
     wrapped = list(chunks)
     if d.cuda:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer.module import Float16Module
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=p.grad_reduce_in_fp32, overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.distributed_optimizer,
@@ -271,13 +227,10 @@ def parallelize(chunks: list, plan, p, d: Dist, freeze: list | None = None):
                         ", ".join(bad[:3]))
     elif p.fsdp:  # on CPU too: the same sharding and reductions over gloo
         wrapped = [fsdp.wrap(chunk) for chunk in wrapped]
-    from vitgraph.graphs.off import NoGraphs
     graphs = NoGraphs()
     if plan.graphs.scope == "step":
-        from vitgraph.graphs import StepGraphs
         graphs = StepGraphs(plan.graphs.config, barrier=dist.barrier)
     elif plan.graphs.enabled:
-        from vitgraph.graphs import GraphManager
         graphs = GraphManager.for_model(wrapped, plan.graphs.config, pipeline_size=d.pp)
     return wrapped, graphs
 
@@ -287,5 +240,4 @@ def for_inference(chunks: list) -> list:
     as ``parallelize`` casts them; no data parallelism, no graphs."""
     if not any(c.config.bf16 for c in chunks):
         return list(chunks)
-    from megatron.core.transformer.module import Float16Module
     return [Float16Module(c.config, c) for c in chunks]

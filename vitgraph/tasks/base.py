@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from vitgraph.config import Config
-from vitgraph.parallel.setup import Dist
+from vitgraph.parallel.dist import Dist
 from vitgraph.plan import Plan
 
 

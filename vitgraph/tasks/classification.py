@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph.data.augment import BatchAugment, prepare_batch
+from vitgraph.data.native import pack_inputs
 from vitgraph.models import packed as pk
 from vitgraph.models.build import build_model
 from vitgraph.models.vit import vit_flops_per_image, vit_flops_per_token
 from vitgraph.tasks.base import Task, reduce_stats, stats
+from vitgraph.tasks.distill import build_teacher, distill_loss
 
 
 class ClassificationTask(Task):
@@ -42,7 +44,6 @@ class ClassificationTask(Task):
             self.augment = BatchAugment(cfg.data.augment, self.image_size, self.num_classes,
                                         cfg.train.label_smoothing, cfg.train.seed, self.d.dp_rank)
         if cfg.train.distill.teacher:
-            from vitgraph.tasks.distill import build_teacher
             self.extra_stats = ("loss_task", "loss_distill")
             self.teacher = build_teacher(cfg, self.plan, self.d, self.num_classes)
 
@@ -143,7 +144,6 @@ class ClassificationTask(Task):
         loss = F.cross_entropy(output, targets, label_smoothing=smoothing, ignore_index=-1)
         correct = ((predicted.argmax(-1) == labels) & valid).sum()
         if len(inputs) > 3:  # distillation: the teacher's logits of these images
-            from vitgraph.tasks.distill import distill_loss
             dt = self.cfg.train.distill
             dl = distill_loss(dt.kind, student, inputs[3], dt.temperature, valid)
             task_loss, loss = loss.detach(), (1 - dt.weight) * loss + dt.weight * dl
@@ -177,16 +177,11 @@ def prepare_pack(raw, key, device, first_stage: bool, cfg, d) -> tuple:
     """One raw pack (patches, coords, seg, cu_seqlens, labels, ...) as the packed model takes
     it on ``device``: (x or None on a later pipeline stage, coords, seg, cu_seqlens, labels,
     ...). The patches are normalised and, for a training ``key``, augmented per image by
-    vitgraph.data.native.pack_inputs where it exists (plain normalising otherwise)."""
-    try:
-        from vitgraph.data.native import pack_inputs
-    except ImportError:
-        pack_inputs = None
-    if first_stage and pack_inputs is not None:
+    vitgraph.data.native.pack_inputs."""
+    if first_stage:
         out = tuple(pack_inputs(raw[:5], device, cfg.data.augment, key, cfg.train.seed,
                                 d.dp_rank))[:5]
     else:  # a later stage needs the layout only
         coords, seg, cu, labels = (t.to(device, non_blocking=True) for t in raw[1:5])
-        x = pk.normalise(raw[0], device) if first_stage else None
-        out = (x, coords.long(), seg.long(), cu.int(), labels)
+        out = (None, coords.long(), seg.long(), cu.int(), labels)
     return (*out, *(t.to(device, non_blocking=True) for t in raw[5:]))

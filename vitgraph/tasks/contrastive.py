@@ -31,15 +31,11 @@ from vitgraph.models.build import transformer_config
 from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
 from vitgraph.models.vit import unwrap
 from vitgraph.tasks.base import Task, stats
+from vitgraph.tasks.classification import prepare_pack
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
                                                  zero_shot_top1)
 from vitgraph.text import make_tokenizer
-
-
-# task.lock_image (LiT): the parameter names of the pair's image tower (vitgraph.models.clip),
-# frozen by vitgraph.train.optim.freeze; the logit scale and bias and the text tower train
-IMAGE_TOWER = "visual.*"
 
 
 def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
@@ -181,7 +177,6 @@ class ContrastiveTask(Task):
     def _prepare_pack(self, raw, key, device, first_stage):
         """(x, coords, seg, cu_seqlens, tokens, labels) of one pack on the device; an empty
         slot's label is fill_label (no image: out of the loss and the metrics)."""
-        from vitgraph.tasks.classification import prepare_pack
         tokens = self._draw_captions(raw[5], key, self.pack.max_images)
         x, coords, seg, cu, labels = prepare_pack(raw[:5], key, device, first_stage, self.cfg,
                                                   self.d)

@@ -33,32 +33,20 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
-import json
 import logging
 import os
-import re
 import shutil
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from vitgraph.convert.names import ConvertError
-from vitgraph.parallel.setup import Dist
+from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
+from vitgraph.convert.checkpoints import CheckpointError, step_dirs, verify, write_manifest
+from vitgraph.parallel.dist import Dist
 
 log = logging.getLogger("vitgraph")
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read; the message names the file."""
-
 
 class NoIntactCheckpoint(CheckpointError):
     """Checkpoints exist and every one is damaged: the user decides (exit 2)."""
@@ -81,7 +69,6 @@ def write_payload(directory: Path, d: Dist, sharded_state: dict, step: int) -> N
     _save({**_rng_state(d), "layout": _layout(d)}, directory / f"rng_rank_{d.rank:05d}.pt")
     _barrier()
     if d.rank == 0:
-        from vitgraph.convert import read_dist_weights, save_safetensors
         weights, _ = read_dist_weights(directory / "dist")
         if weights:
             save_safetensors(weights, directory / "model.safetensors", metadata={"step": step})
@@ -207,89 +194,7 @@ def _everyone(fn, d: Dist, what: str):
     return outcomes[0][0]
 
 
-# ---------------------------------------------------------------- manifest
-
-def _sha256(path: Path) -> str:
-    h, buf = hashlib.sha256(), bytearray(1 << 22)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def _files(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                  if p.is_file() and p.name != MANIFEST)
-
-
-def _hash_all(directory: Path, names: list[str]) -> list[str]:
-    # hashlib releases the GIL: threads read and hash files in parallel
-    with ThreadPoolExecutor(min(8, max(1, len(names)), os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda n: _sha256(directory / n), names))
-
-
-def write_manifest(directory: Path, step: int) -> dict:
-    names = _files(directory)
-    digests = _hash_all(directory, names)
-    manifest = {"format": 1, "step": step, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "files": {n: {"size": (directory / n).stat().st_size, "sha256": h}
-                          for n, h in zip(names, digests)}}
-    tmp = directory / (MANIFEST + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    return manifest
-
-
-def _read_manifest(directory: Path) -> dict:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (the save did not finish)")
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        assert isinstance(files, dict) and files
-    except Exception:
-        raise CheckpointError(f"{path}: not a valid manifest") from None
-    return manifest
-
-
-def verify(directory: Path, checksums: bool = True) -> list[str]:
-    """Problems with a step directory, each naming a file; empty when it is intact.
-    ``checksums=False`` checks presence and sizes only (cheap)."""
-    try:
-        files = _read_manifest(directory)["files"]
-    except CheckpointError as e:
-        return [str(e)]
-    problems, present = [], []
-    for name, meta in files.items():
-        path = directory / name
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != meta["size"]:
-            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says "
-                            f"{meta['size']}")
-        else:
-            present.append(name)
-    if checksums and not problems:
-        for name, digest in zip(present, _hash_all(directory, present)):
-            if digest != files[name]["sha256"]:
-                problems.append(f"{directory / name}: checksum differs from the manifest")
-    return problems
-
-
 # ---------------------------------------------------------------- save / find / load
-
-def step_dirs(ckpt_dir: Path) -> list[Path]:
-    """Complete-looking step directories (not ``.tmp``), oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                  key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-
 
 def save(ckpt_dir: Path, step: int, d: Dist, state: dict, keep: int) -> Path:
     """Write ``state`` (the sharded state dict, see ``write_payload``) as checkpoint ``step``. Raises CheckpointError on every rank if any rank fails; the earlier
@@ -388,33 +293,6 @@ def find_resumable(ckpt_dir: Path, d: Dist) -> Path | None:
             + "; ".join(p[0] for p in damaged[:3])
             + ". Start over with checkpoint.resume=false, or start a new run with run.name=...")
     return Path(chosen) if chosen else None
-
-
-def latest(ckpt_dir: Path) -> Path | None:
-    """The newest step directory whose files match its manifest's sizes (cheap), or None."""
-    for path in reversed(step_dirs(ckpt_dir)):
-        if not verify(path, checksums=False):
-            return path
-    return None
-
-
-def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
-    """A run's step directory: the newest complete one, a step number, or a path.
-    ConvertError (the user's input, as for a weights file) when there is none."""
-    ckpts = Path(run_dir) / "checkpoints"
-    if checkpoint is None:
-        path = latest(ckpts) if ckpts.is_dir() else None
-        if path is None:
-            raise ConvertError(f"{run_dir}: no complete checkpoint under {ckpts}")
-        return path
-    s = str(checkpoint)
-    if s.isdigit():
-        path = ckpts / f"step_{int(s):06d}"
-    else:
-        path = Path(s)
-    if not path.is_dir() or path.name.endswith(".tmp"):
-        raise ConvertError(f"checkpoint {s!r}: no complete checkpoint directory {path}")
-    return path
 
 
 def load(path: Path, d: Dist, sharded_template: dict) -> dict:

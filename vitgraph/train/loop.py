@@ -16,15 +16,17 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph import HARDWARE_QUEUES, hardware_queues
-from vitgraph.config import Config, save_config, validate_machine
+from vitgraph.config import Config, ConfigError, save_config, validate_machine
+from vitgraph.convert import ConvertError, init_from
 from vitgraph.convert.export_files import write_classes
-from vitgraph.data import MicrobatchLoader, build_datasets
+from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets
 from vitgraph.data.prefetch import Prefetcher
+from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel import fsdp
-from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed, parallelize,
-                                     shutdown)
-from vitgraph.plan import Plan, resolve_plan
+from vitgraph.parallel.dist import Dist
+from vitgraph.parallel.setup import collective_timeout, init_distributed, parallelize, shutdown
+from vitgraph.plan import Plan, freeze_rules, resolve_plan
 from vitgraph.tasks import make_task
 from vitgraph.train import checkpoint
 from vitgraph.train.ema import build_ema
@@ -34,7 +36,7 @@ from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
                                     graphs_line, train_line)
 from vitgraph.train.optim import (allocate_offloaded_state, build_optimizer, build_scheduler,
-                                   freeze_rules, offload_pickled_classes)
+                                   offload_pickled_classes)
 from vitgraph.train.preempt import Preempted, StopRequests
 from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
 
@@ -100,7 +102,6 @@ class Trainer:
         self.step = 0
         self._saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
         if self.d.cuda:
-            from vitgraph.graphs.cudnn import warn_if_fallback
             warn_if_fallback(log)
 
     def _start_run_dir(self) -> None:
@@ -128,14 +129,12 @@ class Trainer:
         cfg, d, t = self.cfg, self.d, self.cfg.train
         t0 = time.time()
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
+        self.train_set, self.val_set = build_datasets(cfg.data, t.seed, self.plan.native)
         if self.plan.native:  # one pack per microbatch (vitgraph.data.native)
-            from vitgraph.data.native import PackedLoader, build_native_datasets
-            self.train_set, self.val_set = build_native_datasets(cfg.data, t.seed)
             self.loader = PackedLoader(self.train_set, self.plan.pack, self.num_microbatches,
                                        d.dp_rank, d.dp, t.seed, cfg.data.packing.window,
                                        augment_cfg=cfg.data.augment)
         else:
-            self.train_set, self.val_set = build_datasets(cfg.data, t.seed)
             self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size,
                                            self.num_microbatches, d.dp_rank, d.dp, t.seed)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
@@ -154,7 +153,6 @@ class Trainer:
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
         if cfg.model.init_from:
-            from vitgraph.convert import init_from
             for chunk in self.chunks:
                 init_from(chunk, cfg.model.init_from, cfg.model.init_format)
         self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, d,
@@ -502,9 +500,6 @@ def train(cfg: Config) -> dict:
 
 def _users_input(e: Exception) -> bool:
     """Errors the CLI reports as the user's input (exit 2) rather than a training failure."""
-    from vitgraph.config import ConfigError
-    from vitgraph.convert import ConvertError
-    from vitgraph.data import DataError
     return isinstance(e, (ConfigError, ConvertError, DataError, checkpoint.NoIntactCheckpoint))
 
 
