@@ -124,9 +124,9 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
     from vitgraph.convert import load_into_model, read_checkpoint_weights
     from vitgraph.data.shapes import CLASSES
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(trained / "config.yaml")
-    ours = build_model(resolve_plan(cfg, dist1), cfg.model, dist1, 10, cfg.train.seed)[0].eval()
+    ours = build_model(resolve(cfg, dist1.world), cfg.model, dist1, 10, cfg.train.seed)[0].eval()
     from vitgraph.convert.checkpoints import checkpoint_dir
     load_into_model(ours, read_checkpoint_weights(checkpoint_dir(trained))[0])
     x = torch.randn(2, 3, 32, 32)

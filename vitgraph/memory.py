@@ -29,17 +29,16 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
-from types import SimpleNamespace
 
 import torch
 
 from vitgraph.config import check_layout, graph_constraints, load_config, task_kind
 from vitgraph.graphs.auto import choose_graphs
-from vitgraph.models.build import token_multiple
+from vitgraph.models.build import Recompute, recompute_plan, token_multiple
 from vitgraph.models.freeze import freeze, global_names
 from vitgraph.models.vit import sequence_length
 from vitgraph.parallel.setup import init_distributed, shutdown
-from vitgraph.plan import Recompute, freeze_rules, recompute_plan, resolve_plan
+from vitgraph.plan import resolve
 from vitgraph.tasks import make_task
 
 GIB = 2 ** 30
@@ -169,16 +168,16 @@ def single_process_chunks(single, num_classes: int | None = None, meta: bool = F
     process builds it, with model.freeze / task.lock_image applied: ``(chunks, plan)``.
     ``meta``: on the meta device (no memory, no initialisation: for counting). The caller
     shuts the process group down (vitgraph.parallel.setup.shutdown)."""
-    d = init_distributed(single)
-    plan = resolve_plan(single, d)
-    task = make_task(plan, single, d)
+    plan = resolve(single, 1)
+    d = init_distributed(plan)
+    task = make_task(plan, d)
     task.num_classes = single.model.num_classes or num_classes or 1000
     if meta:
         with torch.device("meta"):
             chunks = task.build_model()
     else:
         chunks = task.build_model()
-    freeze(chunks, freeze_rules(single))
+    freeze(chunks, plan.freeze)
     return chunks, plan
 
 
@@ -274,13 +273,13 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
                 recompute=None, offload_fraction: float | None = None) -> MemoryPlan:
     """The memory of each pipeline stage (the first GPU of each, tp ranks being alike) at
     ``layout`` with ``micro_batch`` (default: train.micro_batch_size) and ``recompute``
-    (a vitgraph.plan.Recompute; default: the config's)."""
+    (a vitgraph.models.build.Recompute; default: the config's)."""
     t, p = cfg.train, cfg.parallel
     mb = micro_batch or t.micro_batch_size
     fp8 = t.precision == "fp8"
     bf16 = t.precision in ("bf16", "fp8")
     if recompute is None:
-        recompute = recompute_plan(cfg, _chunks(layout))
+        recompute = recompute_plan(t, model.num_layers // (layout.pp * layout.vpp))
     offload = cfg.optim.offload_fraction if offload_fraction is None else offload_fraction
     microbatches = max(1, t.global_batch_size // (mb * layout.dp))
     graphs = choose_graphs(cfg.graphs, True, t.precision, t.fp8_recipe, layout.tp,
@@ -341,11 +340,6 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
         out.stages.append(Stage(stage, n, n_tr, weights, grads, optimizer, ema,
                                 kept * held * (2 if twice else 1), held, working))
     return out
-
-
-def _chunks(layout: Layout):
-    """A stand-in for the process groups with the layout's pipeline (recompute_plan's ``d``)."""
-    return SimpleNamespace(pp=layout.pp, vpp=layout.vpp)
 
 
 def _padded(seq: int, mb: int, layout: Layout, fp8: bool) -> int:

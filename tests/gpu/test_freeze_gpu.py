@@ -49,7 +49,7 @@ def test_layer_decay_groups_in_megatrons_optimizer(tmp_path, over):
             t.graphs.step_begin(s)
             t.train_step(data)
         base = t.scheduler.get_lr({})
-        o = t.cfg.optim
+        o = t.plan.optim
         params = [p for p in t.chunks[0].parameters()]
         assert set(map(id, groups)) == set(map(id, params))
         for p in params:

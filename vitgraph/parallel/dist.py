@@ -5,8 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vitgraph.graphs.auto import GraphPath
-
 
 @dataclass
 class Dist:
@@ -21,7 +19,6 @@ class Dist:
     pp_rank: int
     dp_rank: int
     vpp: int = 1
-    graphs: GraphPath | None = None  # the graph path chosen for this run (graphs.enabled: auto)
 
     @property
     def is_first_stage(self) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vitgraph.config import Config
 from vitgraph.parallel.dist import Dist
 from vitgraph.plan import Plan
 
@@ -37,13 +36,13 @@ class Task:
     # every rank: the sums are reduced over the world)
     extra_stats: tuple[str, ...] = ()
 
-    def __init__(self, plan: Plan, cfg: Config, d: Dist, total_steps: int | None = None):
-        self.plan, self.cfg, self.d = plan, cfg, d
+    def __init__(self, plan: Plan, d: Dist, total_steps: int | None = None):
+        self.plan, self.d = plan, d
         self.num_classes = 0
         self.total_steps = total_steps  # the run's length (None: evaluation only)
 
     def attach(self, train_set, val_set) -> None:
-        self.num_classes = self.cfg.model.num_classes or len(train_set.classes)
+        self.num_classes = self.plan.model.num_classes or len(train_set.classes)
 
     def build_model(self) -> list:  # pragma: no cover - interface
         raise NotImplementedError

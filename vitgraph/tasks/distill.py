@@ -160,12 +160,12 @@ def _capturing() -> bool:
 
 # ---------------------------------------------------------------- building the teacher
 
-def build_teacher(cfg, plan, d, num_classes: int, graphs: bool | None = None):
-    """The run's teacher (see the module docstring) for a student of ``num_classes`` classes
-    on this rank, or None on a rank that holds no last pipeline stage (no loss there); every
+def build_teacher(distill, plan, d, num_classes: int, graphs: bool | None = None):
+    """The teacher of ``distill`` (train.distill, the plan's; see the module docstring) for a
+    student of ``num_classes`` classes on this rank, or None on a rank that holds no last pipeline stage (no loss there); every
     rank must call it (under tp / pp it makes a process group). ``graphs``: replay its
     forward from CUDA graphs (default: on a GPU)."""
-    src = cfg.train.distill.teacher
+    src = distill.teacher
     if not src.startswith(TIMM) and (d.tp > 1 or d.pp > 1):
         single_rank_group()  # collective: before the ranks part
     if not d.is_last_stage:
@@ -173,7 +173,7 @@ def build_teacher(cfg, plan, d, num_classes: int, graphs: bool | None = None):
     # the teacher's (discarded) random init must not move the run's random streams
     devices = [d.device] if d.cuda else []
     with torch.random.fork_rng(devices=devices):
-        module, dtype, size, what = _teacher_module(cfg, plan, d, num_classes)
+        module, dtype, size, what = _teacher_module(distill, plan, d, num_classes)
     if graphs is None:
         graphs = d.cuda
     backend = None
@@ -182,8 +182,7 @@ def build_teacher(cfg, plan, d, num_classes: int, graphs: bool | None = None):
     return Teacher(module, num_classes, dtype, size, what, backend)
 
 
-def _teacher_module(cfg, plan, d, num_classes: int):
-    dt = cfg.train.distill
+def _teacher_module(dt, plan, d, num_classes: int):
     src, device = dt.teacher, d.device
     if src.startswith(TIMM):
         module, size, what = _timm_teacher(src[len(TIMM):], num_classes, plan.arch.image_size)

@@ -269,8 +269,9 @@ def gather_shards(entries: list, group) -> list[torch.Tensor]:
 
 
 def build_ema(cfg, optimizer, device) -> WeightEMA | None:
-    """train.ema's EMA of ``optimizer``'s weights, or None when train.ema.decay is null."""
-    if cfg.decay is None:
+    """train.ema's EMA of ``optimizer``'s weights (``cfg``: the plan's ``ema``), or None
+    without one."""
+    if cfg is None:
         return None
     ema = WeightEMA(optimizer, cfg, device)
     log.info("ema: decay %g%s over %d weight tensors in fp32%s", ema.decay,

@@ -32,8 +32,9 @@ from vitgraph.config import Config
 from vitgraph.convert.checkpoints import checkpoint_dir
 from vitgraph.data import EncodedImages, build_datasets, iterate_eval, iterate_eval_packs
 from vitgraph.models.vit import unwrap
-from vitgraph.parallel.setup import for_inference, init_distributed, shutdown
-from vitgraph.plan import resolve_plan
+from vitgraph.parallel.setup import (for_inference, init_distributed, launched_world_size,
+                                     shutdown)
+from vitgraph.plan import resolve
 from vitgraph.tasks import make_task
 from vitgraph.train import checkpoint as ckpt
 from vitgraph.train.metrics import eval_line
@@ -166,17 +167,17 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
     to the run directory (see the module's docstring); returns them with the file's path.
     ``ema``: the checkpoint's EMA of the weights (ConvertError when it holds none)."""
     path = checkpoint_dir(cfg.run_dir, checkpoint)
-    d = init_distributed(cfg)
+    plan = resolve(cfg, launched_world_size())
+    d = init_distributed(plan)
     try:
-        plan = resolve_plan(cfg, d)
-        train_set, val_set = build_datasets(cfg.data, cfg.train.seed, plan.native)
-        task = make_task(plan, cfg, d)
+        train_set, val_set = build_datasets(plan.data, plan.train.seed, plan.native)
+        task = make_task(plan, d)
         task.attach(train_set, val_set)
         chunks = task.build_model()
         wrapped = for_inference(chunks)
         step = ckpt.load_model(path, chunks, ema=ema)
         dataset = train_set if split == "train" else val_set
-        evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size, plan.fp8,
+        evaluator = Evaluator(task, wrapped, chunks, d, plan.train.eval_batch_size, plan.fp8,
                               plan.pack)
         data = {**data_identity(cfg.data), "split": split, "images": len(dataset.labels)}
         evals = evaluator(dataset)

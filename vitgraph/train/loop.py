@@ -25,8 +25,9 @@ from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
 from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
-from vitgraph.parallel.setup import collective_timeout, init_distributed, parallelize, shutdown
-from vitgraph.plan import Plan, freeze_rules, resolve_plan
+from vitgraph.parallel.setup import (collective_timeout, init_distributed, launched_world_size,
+                                     parallelize, shutdown)
+from vitgraph.plan import Plan, resolve
 from vitgraph.tasks import make_task
 from vitgraph.train import checkpoint
 from vitgraph.train.ema import build_ema
@@ -83,29 +84,33 @@ class TrainingFailed(RuntimeError):
 
 
 class Trainer:
-    """One run's training on this rank: built from ``cfg`` (process groups, task, data, model,
-    optimizer), then ``run()``. ``stops``: the run's stop requests (train() installs them
-    before start-up, so a signal during it is not lost); None: installed by ``run``."""
+    """One run's training on this rank: ``cfg`` resolved into a plan (vitgraph.plan), then
+    built from it (process groups, task, data, model, optimizer), then ``run()``. ``stops``:
+    the run's stop requests (train() installs them before start-up, so a signal during it is
+    not lost); None: installed by ``run``."""
 
     def __init__(self, cfg: Config, stops: StopRequests | None = None):
-        self.cfg, self.stops = cfg, stops
-        self.d: Dist = init_distributed(cfg)
-        self.plan: Plan = resolve_plan(cfg, self.d)
-        self.run_dir = cfg.run_dir
+        self.stops = stops
+        self.plan: Plan = resolve(cfg, launched_world_size())
+        self.d: Dist = init_distributed(self.plan)
+        self.run_dir = self.plan.run_dir
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self._start_run_dir()
+        self._start_run_dir(cfg)
         self._build_data_and_task()
         self._build_model()
-        self.schedule = Schedule(self.total_steps, cfg.train.log_every, cfg.train.eval_every,
-                                 cfg.checkpoint.every)
-        self.records = RecordLog(self.run_dir, self.d.rank == 0, cfg.train.tensorboard)
+        t = self.plan.train
+        self.schedule = Schedule(self.total_steps, t.log_every, t.eval_every,
+                                 self.plan.checkpoint.every)
+        self.records = RecordLog(self.run_dir, self.d.rank == 0, t.tensorboard)
         self.step = 0
         self._saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
         if self.d.cuda:
             warn_if_fallback(log)
 
-    def _start_run_dir(self) -> None:
-        cfg, d = self.cfg, self.d
+    def _start_run_dir(self, cfg: Config) -> None:
+        """The run folder with ``cfg`` as config.yaml (what a resumed run is checked against),
+        and the log."""
+        d, plan = self.d, self.plan
         if d.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
@@ -115,55 +120,53 @@ class Trainer:
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  f"{torch.cuda.get_device_name()}, {queues} hardware queues "
                  "(CUDA_DEVICE_MAX_CONNECTIONS)" if d.cuda else "CPU (gloo, shims active)")
-        if d.cuda and cfg.data.decode != "cpu" and queues < HARDWARE_QUEUES:
+        if d.cuda and plan.data.decode != "cpu" and queues < HARDWARE_QUEUES:
             log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%d: with data.decode=cuda fewer hardware "
                         "queues slow training from shards (H200, ViT-B/16: 0.86x the synthetic "
                         "rate with 8, 0.95x with 32); unset it for vitgraph's %d",
                         queues, HARDWARE_QUEUES)
-        log.info("augmentation: %s", augment_line(cfg.data.augment,
-                                                  self.plan.task == "classification"))
+        log.info("augmentation: %s", augment_line(plan.data.augment,
+                                                  plan.task == "classification"))
 
     def _build_data_and_task(self) -> None:
         """The datasets, this rank's loader, the run's length, and the task (vitgraph.tasks:
         the model, its batches and its loss) with the datasets attached."""
-        cfg, d, t = self.cfg, self.d, self.cfg.train
+        plan, d, t = self.plan, self.d, self.plan.train
         t0 = time.time()
-        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
-        self.train_set, self.val_set = build_datasets(cfg.data, t.seed, self.plan.native)
-        if self.plan.native:  # one pack per microbatch (vitgraph.data.native)
-            self.loader = PackedLoader(self.train_set, self.plan.pack, self.num_microbatches,
-                                       d.dp_rank, d.dp, t.seed, cfg.data.packing.window,
-                                       augment_cfg=cfg.data.augment)
+        self.num_microbatches = plan.num_microbatches
+        self.train_set, self.val_set = build_datasets(plan.data, t.seed, plan.native)
+        if plan.native:  # one pack per microbatch (vitgraph.data.native)
+            self.loader = PackedLoader(self.train_set, plan.pack, self.num_microbatches,
+                                       d.dp_rank, d.dp, t.seed, plan.data.packing.window,
+                                       augment_cfg=plan.data.augment)
         else:
             self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size,
                                            self.num_microbatches, d.dp_rank, d.dp, t.seed)
+        if plan.data.prefetch:
+            self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
-        self.task = make_task(self.plan, cfg, d, self.total_steps)
+        self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
         if d.rank == 0:  # the class names an export carries
             write_classes(self.run_dir, self.train_set.classes)
-        log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
+        log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
 
     def _build_model(self) -> None:
         """This rank's model chunks (one per virtual pipeline stage), wrapped for precision,
         data parallelism and graphs; the optimizer, its LR schedule and megatron's hooks."""
-        cfg, d, t, plan = self.cfg, self.d, self.cfg.train, self.plan
+        d, t, plan = self.d, self.plan.train, self.plan
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
-        if cfg.model.init_from:
+        if plan.model.init_from:
             for chunk in self.chunks:
-                init_from(chunk, cfg.model.init_from, cfg.model.init_format)
-        self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, d,
-                                                freeze=freeze_rules(cfg))
-        self.optimizer = build_optimizer(self.wrapped, plan, cfg.optim,
-                                         cfg.parallel.distributed_optimizer)
+                init_from(chunk, plan.model.init_from, plan.model.init_format)
+        self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
+        self.optimizer = build_optimizer(self.wrapped, plan)
         # train.ema: beside the optimizer's fp32 weights (sharded as they are)
-        self.ema = build_ema(cfg.train.ema, self.optimizer, d.device)
-        if cfg.data.prefetch:
-            self.loader = Prefetcher(self.loader, d.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.ema = build_ema(plan.ema, self.optimizer, d.device)
+        self.scheduler = build_scheduler(self.optimizer, plan.optim, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
         log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
                  plan.precision_name)
@@ -172,7 +175,7 @@ class Trainer:
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
         if d.cuda:
-            _wire_ddp(self.model.config, self.wrapped, self.optimizer, cfg.parallel)
+            _wire_ddp(self.model.config, self.wrapped, self.optimizer, plan.parallel)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(self.task, self.wrapped, self.chunks, d,
                                    t.eval_batch_size, plan.fp8, plan.pack)
@@ -291,16 +294,16 @@ class Trainer:
                 "loader": self.loader.state_dict(), **extra}
 
     def save(self) -> None:
-        if not self.cfg.checkpoint.save:
+        if not self.plan.checkpoint.save:
             log.info("checkpoint: none saved at step %d (checkpoint.save=false)", self.step)
             return
         path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
-                               self.cfg.checkpoint.keep)
+                               self.plan.checkpoint.keep)
         self._saved_step = self.step
         log.info("checkpoint: %s", path)
 
     def maybe_resume(self) -> None:
-        if not self.cfg.checkpoint.resume:
+        if not self.plan.checkpoint.resume:
             return
         path = checkpoint.find_resumable(self.ckpt_dir, self.d)
         if path is None:
@@ -336,10 +339,10 @@ class Trainer:
     def run(self) -> dict:
         """Train to the last step (resuming first), then evaluate, save and write
         metrics.json; its contents are returned."""
-        t = self.cfg.train
+        t = self.plan.train
         self.maybe_resume()
         if self.stops is None:
-            self.stops = StopRequests(collective_timeout(self.cfg)).install()
+            self.stops = StopRequests(collective_timeout(self.plan.parallel)).install()
         health = StepHealth(t.max_bad_steps)
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
                                self.flops_per_sample, t.peak_flops if self.d.cuda else None,
@@ -390,7 +393,7 @@ class Trainer:
 
     def _evaluate_and_log(self) -> dict:
         evals = self.evaluate()
-        if self.ema is not None and self.cfg.train.ema.eval:  # raw eval_X, EMA eval_ema_X
+        if self.ema is not None and self.plan.ema.eval:  # raw eval_X, EMA eval_ema_X
             with self.ema.swapped(self.wrapped):
                 evals.update(ema_metrics(self.evaluate()))
         self.records.write({"step": self.step, **evals})
@@ -408,7 +411,7 @@ class Trainer:
                                              "images_per_s", "mfu",
                                              "peak_mem_gib", "peak_reserved_gib", "skipped_steps")
                                              if k in record},
-                   "wall_s_this_process": wall, "model": self.cfg.model.name,
+                   "wall_s_this_process": wall, "model": self.plan.model.name,
                    "run_dir": str(self.run_dir), "total_steps": self.total_steps,
                    "steps_per_epoch": self.loader.steps_per_epoch}
         graphs = self.graphs.stats()
@@ -427,7 +430,7 @@ class Trainer:
         if self.step > self._saved_step:
             self.save()
         saved = (f"checkpoint {self.ckpt_dir / f'step_{self._saved_step:06d}'} saved; run the "
-                 f"same command to resume" if self.cfg.checkpoint.save
+                 f"same command to resume" if self.plan.checkpoint.save
                  else "no checkpoint saved (checkpoint.save=false)")
         log.warning("%s received: stopped after step %d/%d; %s", self.stops.received or
                     "a stop signal (on another rank)", self.step, self.total_steps, saved)
@@ -475,7 +478,7 @@ def train(cfg: Config) -> dict:
             print(done, flush=True)
         return done.metrics
     trainer, failed = None, False
-    stops = StopRequests(collective_timeout(cfg)).install()
+    stops = StopRequests(collective_timeout(cfg.parallel)).install()
     try:
         trainer = Trainer(cfg, stops)
         for key, old, new in changes:

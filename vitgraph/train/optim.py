@@ -15,6 +15,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from vitgraph.config import OptimConfig
 from vitgraph.parallel import cpu_shims
 from vitgraph.parallel.fsdp import is_dtensor, local
+from vitgraph.plan import Plan
 from vitgraph.train.health import skip_nonfinite_steps
 
 
@@ -479,12 +480,12 @@ def offload_pickled_classes() -> list:
     return sorted({mo.Adam, mo.SGD, mo.CPUAdam, mo.CPUSGD}, key=repr)
 
 
-def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
-    """``chunks``: this rank's (wrapped) model chunks; ``plan`` (vitgraph.plan.Plan): the
-    device and the graph path; ``o``: the ``optim:`` section; ``distributed``: megatron's
-    distributed optimizer (parallel.distributed_optimizer). With graphs.scope=step on GPU
-    the megatron optimizer's ``step`` is replaced by a ``SyncFreeStep`` (its ``load_lr`` is
-    called before every step)."""
+def build_optimizer(chunks: list, plan: Plan):
+    """``chunks``: this rank's (wrapped) model chunks; ``plan``: the device, the graph path,
+    its ``optim:`` section and megatron's distributed optimizer (parallel.
+    distributed_optimizer). With graphs.scope=step on GPU the megatron optimizer's ``step``
+    is replaced by a ``SyncFreeStep`` (its ``load_lr`` is called before every step)."""
+    o, distributed = plan.optim, plan.parallel.distributed_optimizer
     if not plan.cuda:
         optimizer = CpuOptimizer(chunks, o)
         fill_frozen_slices(optimizer, chunks)
