@@ -130,7 +130,7 @@ if __name__ == "__main__":
     out = {"rank": t.d.rank, "pp_rank": t.d.pp_rank, "base": t.scheduler.get_lr({}),
            "groups": [(g["max_lr"], g["wd_mult"]) for g in t.optimizer.param_groups],
            "rows": group_rows(t), "lr": t.plan.optim.lr, "min_lr": t.plan.optim.min_lr}
-    t.save()  # the frozen layer's slice of the stacked optimizer state is filled in
+    t.checkpointer.save(t.step)  # the frozen layer's slice of the stacked optimizer state is filled in
     t.close(shutdown_dist=False)
     t = Trainer(load_config(sys.argv[1], sys.argv[4:]))
     t.maybe_resume()  # same groups on every rank: the checkpoint's common param groups fit

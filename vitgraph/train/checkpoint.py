@@ -31,6 +31,7 @@ reported with the file named. Pruning to ``keep`` never removes the newest intac
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -42,14 +43,118 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from vitgraph.config import CheckpointConfig
 from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
 from vitgraph.convert.checkpoints import CheckpointError, step_dirs, verify, write_manifest
+from vitgraph.convert.export_files import write_classes
+from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
+from vitgraph.train.optim import allocate_offloaded_state, offload_pickled_classes
 
 log = logging.getLogger("vitgraph")
 
 class NoIntactCheckpoint(CheckpointError):
     """Checkpoints exist and every one is damaged: the user decides (exit 2)."""
+
+
+class Checkpointer:
+    """The run's checkpoints (the checkpoint: section): what one holds, when one is due, saving
+    it and resuming from the newest intact one.
+
+    A checkpoint holds, as megatron-core's dist_checkpointing takes it, the model chunks and
+    the optimizer as sharded tensors with global names (any layout can load them), the LR
+    schedule and the data position as common state; with train.ema (``ema``) the EMA of the
+    weights under the model's names prefixed "ema." and its step count. parallel.fsdp
+    (``fsdp``): the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp).
+    ``classes``: the class names an export of the run carries, written beside the
+    checkpoints once (rank 0)."""
+
+    def __init__(self, section: CheckpointConfig, run_dir: Path, total_steps: int, d: Dist,
+                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: bool = False,
+                 classes: list | None = None):
+        self.section, self.dir = section, run_dir / "checkpoints"
+        self.total_steps, self.d, self.fsdp = total_steps, d, fsdp
+        # what a checkpoint holds
+        self.chunks, self.optimizer, self.scheduler = chunks, optimizer, scheduler
+        self.loader, self.ema = loader, ema
+        self.saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
+        if d.rank == 0 and classes is not None:
+            write_classes(run_dir, classes)
+
+    def due(self, step: int) -> bool:
+        """checkpoint.every: a save after ``step`` (the last step's is the run's end's)."""
+        every = self.section.every
+        return bool(every) and step % every == 0 and step != self.total_steps
+
+    def state(self, is_loading: bool = False, ema: bool = True) -> dict:
+        """What a checkpoint holds (see the class); ``ema``: with the EMA, where there is one."""
+        state = self._state(is_loading, ema)
+        return fsdp.to_shards(state) if self.fsdp else state
+
+    def _state(self, is_loading: bool, ema: bool) -> dict:
+        """``state`` before FSDP's DTensors are cut into this rank's pieces."""
+        with fsdp.unsharded_view() if self.fsdp else contextlib.nullcontext():
+            model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
+            extra = {}
+            if self.ema is not None and ema:
+                extra["ema"] = self.ema.sharded_state_dict(model, is_loading)
+            # fully_reshardable: the distributed optimizer's state gathered into per-parameter
+            # tensors named after the model's (megatron's other formats reshard only across dp)
+            optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
+                "distrib_optim_sharding_type": "fully_reshardable",
+                "chained_optim_avoid_prefix": True})
+        return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader.state_dict(), **extra}
+
+    def save(self, step: int) -> None:
+        """Checkpoint ``step`` (nothing with checkpoint.save=false)."""
+        if not self.section.save:
+            log.info("checkpoint: none saved at step %d (checkpoint.save=false)", step)
+            return
+        path = save(self.dir, step, self.d, self.state(), self.section.keep)
+        self.saved_step = step
+        log.info("checkpoint: %s", path)
+
+    def resume(self) -> int | None:
+        """Load the newest intact checkpoint into the model, optimizer, schedule, data position
+        and EMA; its step, or None where there is none (or checkpoint.resume=false)."""
+        if not self.section.resume:
+            return None
+        path = find_resumable(self.dir, self.d)
+        if path is None:
+            return None
+        with_ema = self.ema is not None and holds_ema(path)
+        allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
+        template = self._state(is_loading=True, ema=with_ema)
+        pieces = fsdp.to_shards(template) if self.fsdp else template
+        with torch.serialization.safe_globals(offload_pickled_classes()):
+            state = load(path, self.d, pieces)
+        if self.fsdp:
+            state = fsdp.restore(template, state)
+        for i, c in enumerate(self.chunks):
+            c.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None:
+            self.ema.rebind(self.optimizer)
+            if with_ema:
+                self.ema.load_sharded(state["ema"])
+            else:
+                self.ema.restart()
+                log.warning("checkpoint %s holds no EMA of the weights: the EMA starts from "
+                            "its weights at step %d, its warm-up from n = 0", path.name,
+                            state["step"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.saved_step = state["step"]
+        log.info("resumed from %s at step %d", path, self.saved_step)
+        return self.saved_step
+
+    def saved_line(self) -> str:
+        """Where the newest checkpoint of this process is, for a stop message."""
+        if not self.section.save:
+            return "no checkpoint saved (checkpoint.save=false)"
+        return (f"checkpoint {self.dir / f'step_{self.saved_step:06d}'} saved; run the same "
+                "command to resume")
 
 
 # ---------------------------------------------------------------- the payload (swappable)

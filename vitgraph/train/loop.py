@@ -1,7 +1,6 @@
 """The training loop: microbatches through megatron-core's schedules, on CPU and GPU alike."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -18,26 +17,23 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vitgraph import HARDWARE_QUEUES, hardware_queues
 from vitgraph.config import Config, ConfigError, save_config, validate_machine
 from vitgraph.convert import ConvertError, init_from
-from vitgraph.convert.export_files import write_classes
 from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
-from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
 from vitgraph.parallel.setup import (collective_timeout, init_distributed, launched_world_size,
                                      parallelize, shutdown)
 from vitgraph.plan import Plan, resolve
 from vitgraph.tasks import make_task
-from vitgraph.train import checkpoint
+from vitgraph.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from vitgraph.train.ema import build_ema
 from vitgraph.train.evaluate import Evaluator, ema_metrics
 from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
                                     graphs_line, train_line)
-from vitgraph.train.optim import (allocate_offloaded_state, build_optimizer, build_scheduler,
-                                   offload_pickled_classes)
+from vitgraph.train.optim import build_optimizer, build_scheduler
 from vitgraph.train.preempt import Preempted, StopRequests
 from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
 
@@ -94,16 +90,17 @@ class Trainer:
         self.plan: Plan = resolve(cfg, launched_world_size())
         self.d: Dist = init_distributed(self.plan)
         self.run_dir = self.plan.run_dir
-        self.ckpt_dir = self.run_dir / "checkpoints"
         self._start_run_dir(cfg)
         self._build_data_and_task()
         self._build_model()
         t = self.plan.train
-        self.schedule = Schedule(self.total_steps, t.log_every, t.eval_every,
-                                 self.plan.checkpoint.every)
+        self.schedule = Schedule(self.total_steps, t.log_every, t.eval_every)
         self.records = RecordLog(self.run_dir, self.d.rank == 0, t.tensorboard)
+        self.checkpointer = Checkpointer(self.plan.checkpoint, self.run_dir, self.total_steps,
+                                         self.d, self.chunks, self.optimizer, self.scheduler,
+                                         self.loader, self.ema, self.plan.fsdp,
+                                         self.train_set.classes)
         self.step = 0
-        self._saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
         if self.d.cuda:
             warn_if_fallback(log)
 
@@ -147,8 +144,6 @@ class Trainer:
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
-        if d.rank == 0:  # the class names an export carries
-            write_classes(self.run_dir, self.train_set.classes)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
@@ -269,70 +264,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def sharded_state(self, is_loading: bool = False, ema: bool = True) -> dict:
-        """What a checkpoint holds, as megatron-core's dist_checkpointing takes it: model
-        chunks and optimizer as sharded tensors with global names (any layout can load
-        them), schedule and data position as common state; with train.ema (and ``ema``) the
-        EMA of the weights under the model's names prefixed "ema." and its step count.
-        parallel.fsdp: the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp)."""
-        state = self._state(is_loading, ema)
-        return fsdp.to_shards(state) if self.plan.fsdp else state
-
-    def _state(self, is_loading: bool, ema: bool) -> dict:
-        """``sharded_state`` before FSDP's DTensors are cut into this rank's pieces."""
-        with fsdp.unsharded_view() if self.plan.fsdp else contextlib.nullcontext():
-            model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
-            extra = {}
-            if self.ema is not None and ema:
-                extra["ema"] = self.ema.sharded_state_dict(model, is_loading)
-            # fully_reshardable: the distributed optimizer's state gathered into per-parameter
-            # tensors named after the model's (megatron's other formats reshard only across dp)
-            optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
-                "distrib_optim_sharding_type": "fully_reshardable",
-                "chained_optim_avoid_prefix": True})
-        return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
-                "loader": self.loader.state_dict(), **extra}
-
-    def save(self) -> None:
-        if not self.plan.checkpoint.save:
-            log.info("checkpoint: none saved at step %d (checkpoint.save=false)", self.step)
-            return
-        path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
-                               self.plan.checkpoint.keep)
-        self._saved_step = self.step
-        log.info("checkpoint: %s", path)
-
     def maybe_resume(self) -> None:
-        if not self.plan.checkpoint.resume:
-            return
-        path = checkpoint.find_resumable(self.ckpt_dir, self.d)
-        if path is None:
-            return
-        with_ema = self.ema is not None and checkpoint.holds_ema(path)
-        allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
-        template = self._state(is_loading=True, ema=with_ema)
-        pieces = fsdp.to_shards(template) if self.plan.fsdp else template
-        with torch.serialization.safe_globals(offload_pickled_classes()):
-            state = checkpoint.load(path, self.d, pieces)
-        if self.plan.fsdp:
-            state = fsdp.restore(template, state)
-        for i, c in enumerate(self.chunks):
-            c.load_state_dict(state[f"model{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None:
-            self.ema.rebind(self.optimizer)
-            if with_ema:
-                self.ema.load_sharded(state["ema"])
-            else:
-                self.ema.restart()
-                log.warning("checkpoint %s holds no EMA of the weights: the EMA starts from "
-                            "its weights at step %d, its warm-up from n = 0", path.name,
-                            state["step"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
-        self.step = self._saved_step = state["step"]
-        self.graphs.reset()  # parameters were overwritten: capture again
-        log.info("resumed from %s at step %d", path, self.step)
+        """Continue from the run's newest intact checkpoint, where there is one."""
+        step = self.checkpointer.resume()
+        if step is not None:
+            self.step = step
+            self.graphs.reset()  # parameters were overwritten: capture again
 
     # ------------------------------------------------------------------ the loop
 
@@ -371,9 +308,9 @@ class Trainer:
             if due.eval:
                 self._evaluate_and_log()
                 window.restart_clock()
-            if due.checkpoint:
+            if self.checkpointer.due(self.step):
                 health.check(self.step)  # a run of bad steps at the limit stops unsaved
-                self.save()
+                self.checkpointer.save(self.step)
                 window.restart_clock()
         progress.close()
         health.check(self.step)
@@ -403,8 +340,8 @@ class Trainer:
     def _finish(self, record: dict, wall: float) -> dict:
         """The end of the run: the last evaluation, the last checkpoint, metrics.json."""
         evals = self._evaluate_and_log()
-        if self.step > self._saved_step:
-            self.save()
+        if self.step > self.checkpointer.saved_step:
+            self.checkpointer.save(self.step)
         record = record or self.records.last_train_record()  # a run stopped after its save
         metrics = {"step": self.step, **evals,
                    **{k: record[k] for k in ("loss", "loss_task", "loss_distill", "train_top1",
@@ -427,11 +364,9 @@ class Trainer:
 
     def _stop_preempted(self) -> None:
         """A stop signal reached a rank: every rank is here at the same step. Save and leave."""
-        if self.step > self._saved_step:
-            self.save()
-        saved = (f"checkpoint {self.ckpt_dir / f'step_{self._saved_step:06d}'} saved; run the "
-                 f"same command to resume" if self.plan.checkpoint.save
-                 else "no checkpoint saved (checkpoint.save=false)")
+        if self.step > self.checkpointer.saved_step:
+            self.checkpointer.save(self.step)
+        saved = self.checkpointer.saved_line()
         log.warning("%s received: stopped after step %d/%d; %s", self.stops.received or
                     "a stop signal (on another rank)", self.step, self.total_steps, saved)
         raise Preempted(f"preempted after step {self.step}/{self.total_steps}; {saved}")
@@ -503,7 +438,7 @@ def train(cfg: Config) -> dict:
 
 def _users_input(e: Exception) -> bool:
     """Errors the CLI reports as the user's input (exit 2) rather than a training failure."""
-    return isinstance(e, (ConfigError, ConvertError, DataError, checkpoint.NoIntactCheckpoint))
+    return isinstance(e, (ConfigError, ConvertError, DataError, NoIntactCheckpoint))
 
 
 def _log_failure(cfg: Config, step) -> None:
@@ -521,7 +456,7 @@ def _log_failure(cfg: Config, step) -> None:
 def _summary(cfg: Config, trainer, e: Exception) -> str:
     where = f"after step {trainer.step}" if trainer is not None else "before training"
     resume = ""
-    if trainer is not None and trainer._saved_step >= 0:
-        resume = f"; the same command resumes from checkpoint step {trainer._saved_step}"
+    if trainer is not None and trainer.checkpointer.saved_step >= 0:
+        resume = f"; the same command resumes from checkpoint step {trainer.checkpointer.saved_step}"
     return (f"training failed {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             f" (traceback in {cfg.run_dir / 'train.log'}){resume}")
