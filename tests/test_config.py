@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from vitgraph.cli import main
-from vitgraph.config import Config, ConfigError, load_config, save_config
+from vitgraph.config import Config, ConfigError, load_config
+from vitgraph.train.runcheck import save_config
 
 from conftest import ROOT, vitgraph_cmd
 

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from conftest import world_of_one
-from vitgraph.data.augment import AugmentConfig
+from vitgraph.data.augment import AugmentConfig, augment_line
 from vitgraph.config import CheckpointConfig
 from vitgraph.train.checkpoint import Checkpointer
 from vitgraph.train.events import Schedule
 from vitgraph.train.evaluate import eval_file_name, is_runs_own_data
-from vitgraph.train.metrics import (MetricsWindow, StepResult, augment_line, duration,
-                                    graphs_line, train_line)
+from vitgraph.train.metrics import MetricsWindow, StepResult, duration, graphs_line, train_line
 
 dist1 = world_of_one("torch")
 
@@ -110,7 +109,8 @@ def test_eval_files_are_named_after_other_data(tmp_path):
 
 def test_runs_own_data_is_what_its_config_yaml_names(tmp_path):
     from conftest import ROOT
-    from vitgraph.config import load_config, save_config
+    from vitgraph.config import load_config
+    from vitgraph.train.runcheck import save_config
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", [f"run.dir={tmp_path}"])
     save_config(cfg, cfg.run_dir / "config.yaml")
     assert is_runs_own_data(cfg)

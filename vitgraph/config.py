@@ -891,10 +891,3 @@ def validate_machine(cfg: Config, src: str = "<config>") -> None:
         if not (torch.cuda.is_available() and te_available()):
             raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
                               f"(pip install -e .[te]); use model.spec=torch or auto without them")
-
-
-def save_config(cfg: Config, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)

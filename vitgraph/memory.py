@@ -174,9 +174,9 @@ def single_process_chunks(single, num_classes: int | None = None, meta: bool = F
     task.num_classes = single.model.num_classes or num_classes or 1000
     if meta:
         with torch.device("meta"):
-            chunks = task.build_model()
+            chunks = task.build_model(with_init_from=False)
     else:
-        chunks = task.build_model()
+        chunks = task.build_model(with_init_from=False)
     freeze(chunks, plan.freeze)
     return chunks, plan
 

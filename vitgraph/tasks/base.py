@@ -6,8 +6,9 @@ supplies, through this interface only:
 
 * ``attach(train, val)``: anything it adds to the datasets (the contrastive task tokenizes the
   captions once, so every microbatch carries its token ids);
-* ``build_model()``: this rank's model chunks (one per virtual pipeline stage), as the plan
-  (vitgraph.plan.Plan: architecture, layers, precision, padding) says;
+* ``build_model(with_init_from=True)``: this rank's model chunks (one per virtual pipeline
+  stage), as the plan (vitgraph.plan.Plan: architecture, layers, precision, padding) says,
+  with model.init_from's weights (False: the caller loads others, or none);
 * ``prepare(raw, key, device, first_stage)``: one microbatch as the model takes it, on the
   device (augmented when ``key`` is a training (step, microbatch) pair);
 * ``forward(model, inputs)`` and ``loss(inputs, output) -> (loss, stats)``, where stats is
@@ -44,7 +45,7 @@ class Task:
     def attach(self, train_set, val_set) -> None:
         self.num_classes = self.plan.model.num_classes or len(train_set.classes)
 
-    def build_model(self) -> list:  # pragma: no cover - interface
+    def build_model(self, with_init_from: bool = True) -> list:  # pragma: no cover - interface
         raise NotImplementedError
 
     # what the log and the schedule need to know about the model

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vitgraph.convert import init_from
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.data.native import pack_inputs
 from vitgraph.models import packed as pk
@@ -48,7 +49,7 @@ class ClassificationTask(Task):
             self.extra_stats = ("loss_task", "loss_distill")
             self.teacher = build_teacher(plan.distill, plan, self.d, self.num_classes)
 
-    def build_model(self) -> list:
+    def build_model(self, with_init_from: bool = True) -> list:
         chunks = build_model(self.plan, self.plan.model, self.d, self.num_classes,
                              self.plan.train.seed)
         classes = self.plan.model.num_classes or self.num_classes
@@ -57,6 +58,10 @@ class ClassificationTask(Task):
         else:
             self.flops_per_sample = vit_flops_per_image(self.arch, chunks[0].num_prefix,
                                                         self.num_classes)
+        m = self.plan.model
+        if m.init_from and with_init_from:
+            for chunk in chunks:
+                init_from(chunk, m.init_from, m.init_format)
         return chunks
 
     def pack_flops(self, raw) -> float:

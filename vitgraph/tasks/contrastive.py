@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from vitgraph.convert import init_from
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.data import DataError
 from vitgraph.models import packed as pk
@@ -76,8 +77,7 @@ class ContrastiveTask(Task):
         self.arch = plan.pair
         self.image_size = self.arch.vision.image_size
         self.context_length = plan.contrastive.context_length
-        self.tokenizer = make_tokenizer(plan.contrastive.tokenizer, self.arch.text.vocab_size,
-                                        self.context_length)
+        self.tokenizer = None  # made by attach
         self.loss_name = plan.contrastive.loss
         self.augment = None
         self.classes: list[str] = []
@@ -87,6 +87,8 @@ class ContrastiveTask(Task):
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
+        self.tokenizer = make_tokenizer(self.plan.contrastive.tokenizer,
+                                        self.arch.text.vocab_size, self.context_length)
         self.classes = list(val_set.classes)
         for name, ds in (("training", train_set), ("held-out", val_set)):
             if ds.captions is None:
@@ -104,7 +106,7 @@ class ContrastiveTask(Task):
             self.augment = BatchAugment(a, self.image_size, self.num_classes, 0.0,
                                         self.plan.train.seed, self.d.dp_rank)
 
-    def build_model(self) -> list:
+    def build_model(self, with_init_from: bool = True) -> list:
         plan, d = self.plan, self.d
         bias = None
         if self.loss_name == "siglip" and self.arch.init_logit_bias is None:
@@ -126,6 +128,8 @@ class ContrastiveTask(Task):
         else:
             self.flops_per_sample = _tower_flops(n_image, model.visual.seq_len, v.num_layers,
                                                  v.hidden_size) + self.text_flops
+        if plan.model.init_from and with_init_from:
+            init_from(model, plan.model.init_from, plan.model.init_format)
         return [model]
 
     def pack_flops(self, raw) -> float:

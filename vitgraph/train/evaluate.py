@@ -173,7 +173,7 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
         train_set, val_set = build_datasets(plan.data, plan.train.seed, plan.native)
         task = make_task(plan, d)
         task.attach(train_set, val_set)
-        chunks = task.build_model()
+        chunks = task.build_model(with_init_from=False)  # the checkpoint's weights
         wrapped = for_inference(chunks)
         step = ckpt.load_model(path, chunks, ema=ema)
         dataset = train_set if split == "train" else val_set

@@ -8,47 +8,50 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph import HARDWARE_QUEUES, hardware_queues
-from vitgraph.config import Config, ConfigError, save_config, validate_machine
-from vitgraph.convert import ConvertError, init_from
+from vitgraph.config import Config, ConfigError, validate_machine
+from vitgraph.convert import ConvertError
 from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets
+from vitgraph.data.augment import augment_line
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
-from vitgraph.parallel.dist import Dist
 from vitgraph.parallel.setup import (collective_timeout, init_distributed, launched_world_size,
                                      parallelize, shutdown)
-from vitgraph.plan import Plan, resolve
+from vitgraph.plan import resolve
 from vitgraph.tasks import make_task
 from vitgraph.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from vitgraph.train.ema import build_ema
 from vitgraph.train.evaluate import Evaluator, ema_metrics
 from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
-from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
-                                    graphs_line, train_line)
+from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, eval_line, graphs_line,
+                                    train_line)
 from vitgraph.train.optim import build_optimizer, build_scheduler
 from vitgraph.train.preempt import Preempted, StopRequests
-from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
+from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0, save_config
 
 log = logging.getLogger("vitgraph")
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
+def _start_run_dir(cfg: Config) -> None:
+    """The run folder with ``cfg`` as config.yaml (what a resumed run is checked against) and
+    the log, on rank 0 (torchrun's RANK), before the process groups: the others wait for it
+    where the groups are made."""
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
-    if rank != 0:
+    if not is_rank0():
         log.addHandler(logging.NullHandler())
         return
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, cfg.run_dir / "config.yaml")
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(cfg.run_dir / "train.log")):
         h.setFormatter(fmt)
         log.addHandler(h)
 
@@ -87,32 +90,11 @@ class Trainer:
 
     def __init__(self, cfg: Config, stops: StopRequests | None = None):
         self.stops = stops
-        self.plan: Plan = resolve(cfg, launched_world_size())
-        self.d: Dist = init_distributed(self.plan)
-        self.run_dir = self.plan.run_dir
-        self._start_run_dir(cfg)
-        self._build_data_and_task()
-        self._build_model()
-        t = self.plan.train
-        self.schedule = Schedule(self.total_steps, t.log_every, t.eval_every)
-        self.records = RecordLog(self.run_dir, self.d.rank == 0, t.tensorboard)
-        self.checkpointer = Checkpointer(self.plan.checkpoint, self.run_dir, self.total_steps,
-                                         self.d, self.chunks, self.optimizer, self.scheduler,
-                                         self.loader, self.ema, self.plan.fsdp,
-                                         self.train_set.classes)
-        self.step = 0
-        if self.d.cuda:
-            warn_if_fallback(log)
-
-    def _start_run_dir(self, cfg: Config) -> None:
-        """The run folder with ``cfg`` as config.yaml (what a resumed run is checked against),
-        and the log."""
-        d, plan = self.d, self.plan
-        if d.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
-        dist.barrier()
-        _setup_logging(self.run_dir, d.rank)
+        self.run_dir = cfg.run_dir
+        _start_run_dir(cfg)
+        self.plan = plan = resolve(cfg, launched_world_size())
+        self.d = d = init_distributed(plan)
+        t = plan.train
         queues = hardware_queues()
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  f"{torch.cuda.get_device_name()}, {queues} hardware queues "
@@ -124,11 +106,7 @@ class Trainer:
                         queues, HARDWARE_QUEUES)
         log.info("augmentation: %s", augment_line(plan.data.augment,
                                                   plan.task == "classification"))
-
-    def _build_data_and_task(self) -> None:
-        """The datasets, this rank's loader, the run's length, and the task (vitgraph.tasks:
-        the model, its batches and its loss) with the datasets attached."""
-        plan, d, t = self.plan, self.d, self.plan.train
+        # the data, this rank's loader and the run's length
         t0 = time.time()
         self.num_microbatches = plan.num_microbatches
         self.train_set, self.val_set = build_datasets(plan.data, t.seed, plan.native)
@@ -142,22 +120,23 @@ class Trainer:
         if plan.data.prefetch:
             self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
+        # the task (vitgraph.tasks: the model, its batches and its loss) and this rank's model
+        # chunks (one per virtual pipeline stage), wrapped for precision, data parallelism and
+        # graphs
         self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
         log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
-
-    def _build_model(self) -> None:
-        """This rank's model chunks (one per virtual pipeline stage), wrapped for precision,
-        data parallelism and graphs; the optimizer, its LR schedule and megatron's hooks."""
-        d, t, plan = self.d, self.plan.train, self.plan
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
-        if plan.model.init_from:
-            for chunk in self.chunks:
-                init_from(chunk, plan.model.init_from, plan.model.init_format)
         self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
+        self._build_training()
+
+    def _build_training(self) -> None:
+        """What trains the wrapped chunks: the optimizer, its LR schedule, the EMA, megatron's
+        hooks, the step, the evaluator, the log and the checkpoints."""
+        d, t, plan = self.d, self.plan.train, self.plan
         self.optimizer = build_optimizer(self.wrapped, plan)
         # train.ema: beside the optimizer's fp32 weights (sharded as they are)
         self.ema = build_ema(plan.ema, self.optimizer, d.device)
@@ -176,6 +155,15 @@ class Trainer:
                                    t.eval_batch_size, plan.fp8, plan.pack)
         # graphs.scope=step captures the whole step; every other path runs it eagerly
         self.train_step = self._graphed_step if plan.graphs.scope == "step" else self._eager_step
+        self.schedule = Schedule(self.total_steps, t.log_every, t.eval_every)
+        self.records = RecordLog(self.run_dir, d.rank == 0, t.tensorboard)
+        self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, self.total_steps, d,
+                                         self.chunks, self.optimizer, self.scheduler,
+                                         self.loader, self.ema, plan.fsdp,
+                                         self.train_set.classes)
+        self.step = 0
+        if d.cuda:
+            warn_if_fallback(log)
 
     # ------------------------------------------------------------------ steps
 
