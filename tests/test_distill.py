@@ -70,12 +70,13 @@ def test_hard_loss_is_cross_entropy_against_the_teachers_top_class():
 
 
 def _task(**distill):
-    """The classification task's loss alone (its config is all it reads)."""
+    """The classification task's loss alone (its plan is all it reads)."""
+    from vitgraph.plan import resolve
     from vitgraph.tasks.classification import ClassificationTask
     cfg = load_config(TINY, [f"train.distill.{k}={v}" for k, v in distill.items()]
                       + ["train.label_smoothing=0.1"])
     task = ClassificationTask.__new__(ClassificationTask)
-    task.cfg, task.pack = cfg, None
+    task.plan, task.pack = resolve(cfg, 1), None
     return task
 
 
