@@ -100,8 +100,9 @@ def world_of_one(spec: str):
     def fixture():
         from vitgraph.config import load_config
         from vitgraph.parallel.setup import init_distributed, shutdown
+        from vitgraph.plan import resolve
         cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", [f"model.spec={spec}"])
-        d = init_distributed(cfg)
+        d = init_distributed(resolve(cfg, 1))
         yield d
         shutdown()
     return fixture

@@ -191,7 +191,7 @@ def test_a_bad_preset_names_the_key():
 def test_resolved_config_saves_and_resumes(tmp_path):
     import yaml
 
-    from vitgraph.config import save_config
+    from vitgraph.train.runcheck import save_config
     from vitgraph.train.runcheck import config_changes
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["data.augment.enabled=true"])
     save_config(cfg, tmp_path / "config.yaml")

@@ -124,10 +124,10 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
     from vitgraph.convert import load_into_model, read_checkpoint_weights
     from vitgraph.data.shapes import CLASSES
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(trained / "config.yaml")
-    ours = build_model(resolve_plan(cfg, dist1), cfg.model, dist1, 10, cfg.train.seed)[0].eval()
-    from vitgraph.train.checkpoint import checkpoint_dir
+    ours = build_model(resolve(cfg, dist1.world), cfg.model, dist1, 10, cfg.train.seed)[0].eval()
+    from vitgraph.convert.checkpoints import checkpoint_dir
     load_into_model(ours, read_checkpoint_weights(checkpoint_dir(trained))[0])
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -228,7 +228,7 @@ def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, en
     """The message gives the file's and the config's sizes, what to set, and the file's own
     key names (timm's here), not vitgraph's."""
     from vitgraph.convert import from_vitgraph, read_checkpoint_weights, save_safetensors
-    from vitgraph.train.checkpoint import checkpoint_dir
+    from vitgraph.convert.checkpoints import checkpoint_dir
     sd = read_checkpoint_weights(checkpoint_dir(trained))[0]  # 4 layers x 64
     path = save_safetensors(from_vitgraph(sd, "timm", 4), tmp_path / "w.safetensors")
     p = run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),

@@ -15,9 +15,9 @@ dist1 = world_of_one("torch")
 
 def base_config(d, *over):
     from vitgraph.models.build import transformer_config
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
-    return transformer_config(resolve_plan(cfg, d), cfg.model, d)
+    return transformer_config(resolve(cfg, d.world), cfg.model, d)
 
 
 def tiny(d, seed=0, **kw):
@@ -80,9 +80,9 @@ def test_ln_pre_normalises_the_embedded_tokens(dist1):
 
 def test_classifier_defaults_unchanged(dist1):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    model = build_model(resolve_plan(cfg, dist1), cfg.model, dist1, 10, cfg.train.seed)[0]
+    model = build_model(resolve(cfg, dist1.world), cfg.model, dist1, 10, cfg.train.seed)[0]
     names = {n for n, _ in model.named_parameters()}
     assert "head.weight" in names and "patch_embed.bias" in names
     assert not any(n.startswith(("ln_pre", "proj")) for n in names)

@@ -22,14 +22,14 @@ def _run(tp: int, name: str):
     from vitgraph.config import load_config
     from vitgraph.models.clip import build_clip
     from vitgraph.models.build import transformer_config
-    from vitgraph.parallel.setup import init_distributed
-    from vitgraph.plan import resolve_plan
+    from vitgraph.parallel.setup import init_distributed, launched_world_size
+    from vitgraph.plan import resolve
     from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
     from vitgraph.text.tokenizer import ByteTokenizer
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml",
                       ["model.spec=torch", f"parallel.tp={tp}", "train.global_batch_size=64"])
-    d = init_distributed(cfg)
-    plan = resolve_plan(cfg, d)
+    plan = resolve(cfg, launched_world_size())
+    d = init_distributed(plan)
     model = build_clip(name, transformer_config(plan, cfg.model, d), "torch", seed=5,
                        tp_rank=d.tp_rank, tp_size=d.tp)
     g = torch.Generator().manual_seed(0)

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from vitgraph.cli import main
-from vitgraph.config import Config, ConfigError, load_config, save_config
+from vitgraph.config import Config, ConfigError, load_config
+from vitgraph.train.runcheck import save_config
 
 from conftest import ROOT, vitgraph_cmd
 
@@ -241,16 +242,14 @@ def test_validate_reads_no_environment(monkeypatch):
     load_config(ROOT / "configs" / "vit-l16-imagefolder.yaml", ["data.kind=shapes"])
 
 
-def test_init_distributed_checks_the_layout_before_any_process_group(monkeypatch):
+def test_the_plan_checks_the_layout_before_any_process_group():
     import torch.distributed as dist
 
-    from vitgraph.parallel.setup import init_distributed
+    from vitgraph.plan import resolve
     if dist.is_initialized():
         pytest.skip("a process group of another test is up")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="world size 3"):
-        init_distributed(load_config(DEFAULT, ["parallel.tp=2", "model.spec=torch"]))
+        resolve(load_config(DEFAULT, ["parallel.tp=2", "model.spec=torch"]), 3)
     assert not dist.is_initialized()
 
 

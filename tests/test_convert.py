@@ -23,9 +23,9 @@ dist1 = world_of_one("torch")
 
 def build(d, *over, num_classes=10):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
-    model = build_model(resolve_plan(cfg, d), cfg.model, d, num_classes, cfg.train.seed)[0]
+    model = build_model(resolve(cfg, d.world), cfg.model, d, num_classes, cfg.train.seed)[0]
     model.eval()
     return model
 

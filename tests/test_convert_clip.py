@@ -17,7 +17,7 @@ def _pair(d):
     from vitgraph.config import load_config
     from vitgraph.models.clip import build_clip
     from vitgraph.models.build import transformer_config
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from conftest import ROOT
     torch.manual_seed(0)
     hf = CLIPModel(CLIPConfig(
@@ -29,7 +29,7 @@ def _pair(d):
     arch = CLIPArch(24, ViTArch(48, 2, 3, 96, 4, 16), TextArch(259, 24, 32, 2, 4, 64),
                     activation="quick_gelu", layernorm_epsilon=1e-5)
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    plan = resolve_plan(cfg, d)
+    plan = resolve(cfg, d.world)
     ours = build_clip(arch, transformer_config(plan, cfg.model, d), "torch", seed=0).eval()
     return hf, ours
 
@@ -91,7 +91,7 @@ def test_hf_siglip_weights_give_the_same_embeddings(dist1):
     from vitgraph.models.clip import build_clip
     from vitgraph.models.registry import get_clip_arch
     from vitgraph.models.build import transformer_config
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from conftest import ROOT
     torch.manual_seed(0)
     hf = SiglipModel(SiglipConfig(
@@ -108,7 +108,7 @@ def test_hf_siglip_weights_give_the_same_embeddings(dist1):
                                                         num_heads=4, ffn_hidden_size=96,
                                                         context_length=20))
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    plan = resolve_plan(cfg, dist1)
+    plan = resolve(cfg, dist1.world)
     ours = build_clip(arch, transformer_config(plan, cfg.model, dist1), "torch", seed=0).eval()
     sd = hf_siglip_to_vitgraph(hf.state_dict(), vision_heads=3, text_heads=4)
     ours.load_state_dict(sd, strict=True)

@@ -59,11 +59,11 @@ def our_model(d, kind, num_classes=0, seed=1):
     from vitgraph.models.clip import tower_config
     from vitgraph.models.specs import get_layer_spec
     from vitgraph.models.vit import ViT
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from vitgraph.config import load_config
     cls, regs, pool, act, interp = KINDS[kind]
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    config = tower_config(transformer_config(resolve_plan(cfg, d), cfg.model, d), hidden_size=D,
+    config = tower_config(transformer_config(resolve(cfg, d.world), cfg.model, d), hidden_size=D,
                           num_layers=2, num_heads=HEADS, ffn_hidden_size=FFN, activation=act,
                           eps=1e-6)
     spec = PackSpec(tokens=128, max_images=5, max_patches=24, num_prefix=int(cls) + regs,

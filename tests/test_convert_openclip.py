@@ -32,9 +32,9 @@ def build(d, arch, seed=0):
     from vitgraph.config import load_config
     from vitgraph.models.clip import build_clip
     from vitgraph.models.build import transformer_config
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    plan = resolve_plan(cfg, d)
+    plan = resolve(cfg, d.world)
     return build_clip(arch, transformer_config(plan, cfg.model, d), "torch", seed=seed).eval()
 
 
@@ -157,12 +157,12 @@ def test_image_tower_alone_loads_into_a_pair_or_a_tower(dist1, tmp_path, caplog)
 
 def test_what_open_clip_cannot_hold_is_an_error_that_says_why(dist1, tmp_path):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from vitgraph.config import load_config
     ref = random_open_clip(TINY, text=False)
     # open_clip weights into the classifier ViT
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    classifier = build_model(resolve_plan(cfg, dist1), cfg.model, dist1, 10, cfg.train.seed)[0]
+    classifier = build_model(resolve(cfg, dist1.world), cfg.model, dist1, 10, cfg.train.seed)[0]
     save_safetensors(ref, tmp_path / "oc.safetensors")
     with pytest.raises(ConvertError, match="ln_pre.*classifier|classifier.*ln_pre"):
         init_from(classifier, str(tmp_path / "oc.safetensors"))

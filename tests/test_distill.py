@@ -70,12 +70,13 @@ def test_hard_loss_is_cross_entropy_against_the_teachers_top_class():
 
 
 def _task(**distill):
-    """The classification task's loss alone (its config is all it reads)."""
+    """The classification task's loss alone (its plan is all it reads)."""
+    from vitgraph.plan import resolve
     from vitgraph.tasks.classification import ClassificationTask
     cfg = load_config(TINY, [f"train.distill.{k}={v}" for k, v in distill.items()]
                       + ["train.label_smoothing=0.1"])
     task = ClassificationTask.__new__(ClassificationTask)
-    task.cfg, task.pack = cfg, None
+    task.plan, task.pack = resolve(cfg, 1), None
     return task
 
 
@@ -167,23 +168,23 @@ def _fake_dist(**kw):
 def test_timm_teacher_matches_the_run_and_bad_names_are_config_errors():
     cfg = load_config(TINY, ["train.distill.teacher=timm:test_vit"])
     plan = SimpleNamespace(arch=SimpleNamespace(image_size=32))
-    t = build_teacher(cfg, plan, _fake_dist(), 10)
+    t = build_teacher(cfg.train.distill, plan, _fake_dist(), 10)
     assert t.graphs is None and t.dtype == torch.float32  # CPU: eager, fp32
     out = t(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 10) and out.dtype == torch.float32
     x = torch.randn(2, 3, 32, 32)
     torch.manual_seed(0)
-    eager = build_teacher(cfg, plan, _fake_dist(), 10)
+    eager = build_teacher(cfg.train.distill, plan, _fake_dist(), 10)
     torch.manual_seed(0)  # the same random weights
-    graphed = build_teacher(cfg, plan, _fake_dist(), 10, graphs=True)  # the rerun backend here
+    graphed = build_teacher(cfg.train.distill, plan, _fake_dist(), 10, graphs=True)  # the rerun backend here
     assert graphed.graphs.backend.name == "rerun"
     assert torch.allclose(graphed(x), eager(x), atol=1e-6)
     assert torch.allclose(graphed(x), eager(x), atol=1e-6)
     assert graphed.graphs.backend.replays == 1
-    assert build_teacher(cfg, plan, _fake_dist(is_last_stage=False, pp=2, pp_rank=0), 10) is None
+    assert build_teacher(cfg.train.distill, plan, _fake_dist(is_last_stage=False, pp=2, pp_rank=0), 10) is None
     cfg = load_config(TINY, ["train.distill.teacher=timm:no_such_model_xyz"])
     with pytest.raises(ConfigError, match="train.distill.teacher.*no_such_model_xyz"):
-        build_teacher(cfg, plan, _fake_dist(), 10)
+        build_teacher(cfg.train.distill, plan, _fake_dist(), 10)
 
 
 def test_bad_teacher_values_are_config_errors(tmp_path):
@@ -267,18 +268,18 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
     (1 - weight) x the task loss. Another class count is a ConfigError."""
     from vitgraph.convert import load_into_model, read_checkpoint_weights
     from vitgraph.parallel.setup import init_distributed, shutdown
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from vitgraph.tasks.classification import ClassificationTask
-    from vitgraph.train.checkpoint import latest
+    from vitgraph.convert.checkpoints import latest
     _train(tmp_path / "teacher", 5)
     cfg = load_config(TINY, [*RUN, "train.steps=1", f"run.dir={tmp_path / 'student'}",
                              f"train.distill.teacher={tmp_path / 'teacher'}",
                              "train.distill.weight=0.4", "train.distill.temperature=2"])
-    d = init_distributed(cfg)
+    plan = resolve(cfg, 1)
+    d = init_distributed(plan)
     try:
-        plan = resolve_plan(cfg, d)
-        teacher = build_teacher(cfg, plan, d, 10)
-        task = ClassificationTask(plan, cfg, d)
+        teacher = build_teacher(cfg.train.distill, plan, d, 10)
+        task = ClassificationTask(plan, d)
         task.num_classes = 10
         (student,) = task.build_model()
         sd, step = read_checkpoint_weights(latest(tmp_path / "teacher" / "checkpoints"))
@@ -297,7 +298,7 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
         ce = F.cross_entropy(out, labels, label_smoothing=cfg.train.label_smoothing)
         assert loss.item() == pytest.approx(0.6 * ce.item(), rel=1e-5)
         with pytest.raises(ConfigError, match=r"train\.distill\.teacher=.*10 classes, the run 7"):
-            build_teacher(cfg, plan, d, 7)
+            build_teacher(cfg.train.distill, plan, d, 7)
 
         # the same weights as a file in timm's naming, the architecture named by
         # train.distill.model: format detected as for model.init_from, the same teacher
@@ -306,9 +307,9 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
         fcfg = load_config(TINY, [f"train.distill.teacher={path}",
                                   "train.distill.model=vit_pico_patch4_32"])
         with torch.no_grad():
-            assert torch.allclose(build_teacher(fcfg, plan, d, 10)(x), t_out, atol=1e-5)
+            assert torch.allclose(build_teacher(fcfg.train.distill, plan, d, 10)(x), t_out, atol=1e-5)
         with pytest.raises(ConfigError, match=r"train\.distill\.teacher=.*no head of the run's 7"):
-            build_teacher(fcfg, plan, d, 7)
+            build_teacher(fcfg.train.distill, plan, d, 7)
     finally:
         shutdown()
     shutil.rmtree(tmp_path, ignore_errors=True)

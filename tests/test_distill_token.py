@@ -105,11 +105,12 @@ def test_weights_without_the_token_name_it(dist1, tmp_path):
 
 
 def _task(**distill):
+    from vitgraph.plan import resolve
     from vitgraph.tasks.classification import ClassificationTask
     cfg = load_config(TINY, [*DEIT, "train.label_smoothing=0.1",
                              *(f"train.distill.{k}={v}" for k, v in distill.items())])
     task = ClassificationTask.__new__(ClassificationTask)
-    task.cfg, task.pack = cfg, None
+    task.plan, task.pack = resolve(cfg, 1), None
     return task
 
 

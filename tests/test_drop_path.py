@@ -19,9 +19,9 @@ CONFIG = ROOT / "configs" / "vit-tiny-shapes.yaml"
 
 def build(d, *over):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(CONFIG, ["model.spec=torch", *over])
-    return build_model(resolve_plan(cfg, d), cfg.model, d, 10, cfg.train.seed)[0]
+    return build_model(resolve(cfg, d.world), cfg.model, d, 10, cfg.train.seed)[0]
 
 
 def test_rates_follow_the_deit_ramp():
@@ -188,11 +188,11 @@ def test_native_model_trains_with_drop_path(dist1):
     """data.resolution=native: the packed ViT's layers get per-image masks (thd), and a
     training forward / backward runs; eval equals the model without drop path."""
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from test_native_model import NATIVE, raw_pack
     from vitgraph.tasks.classification import ClassificationTask
     cfg = load_config(CONFIG, [*NATIVE, "model.drop_path_rate=0.3", "model.num_layers=3"])
-    task = ClassificationTask(resolve_plan(cfg, dist1), cfg, dist1)
+    task = ClassificationTask(resolve(cfg, dist1.world), dist1)
     task.num_classes = 10
     model = task.build_model()[0]
     assert model.decoder.layers[-1].drop_path == pytest.approx(0.3)
@@ -202,7 +202,7 @@ def test_native_model_trains_with_drop_path(dist1):
     loss, _ = task.loss(inputs, task.forward(model, inputs))
     loss.backward()
     assert torch.isfinite(loss)
-    plain = build_model(resolve_plan(cfg, dist1), dataclasses.replace(cfg.model,
+    plain = build_model(resolve(cfg, dist1.world), dataclasses.replace(cfg.model,
                                                                       drop_path_rate=0.0),
                         dist1, 10, 0)[0]
     plain.load_state_dict(model.state_dict())
@@ -215,9 +215,9 @@ def test_clip_image_tower_drops_and_text_tower_does_not(dist1):
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from vitgraph.models.build import transformer_config
     from vitgraph.models.clip import build_clip
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(CONFIG, ["model.spec=torch", "model.drop_path_rate=0"])
-    base = transformer_config(resolve_plan(cfg, dist1), cfg.model, dist1)
+    base = transformer_config(resolve(cfg, dist1.world), cfg.model, dist1)
     model = build_clip("clip_tiny_patch4_32", base, "torch", drop_path_rate=0.2)
     rates = [layer.drop_path for layer in model.visual.decoder.layers]
     assert rates == pytest.approx([0.2 * i / (len(rates) - 1) for i in range(len(rates))])
@@ -257,10 +257,10 @@ def test_later_pipeline_stage_takes_rates_by_global_index(dist1, vpp, vp_stage, 
     from megatron.core.transformer.transformer_block import TransformerBlock
     from vitgraph.models.build import transformer_config
     from vitgraph.models.specs import drop_path_rates, get_layer_spec
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(CONFIG, ["model.spec=torch", "model.num_layers=8"])
     config = dataclasses.replace(
-        transformer_config(resolve_plan(cfg, dist1), cfg.model, dist1),
+        transformer_config(resolve(cfg, dist1.world), cfg.model, dist1),
         pipeline_model_parallel_size=2,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     pgs = ProcessGroupCollection.use_mpu_process_groups()

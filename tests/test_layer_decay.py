@@ -30,7 +30,7 @@ def expected_layer(name: str, depth: int = LAYERS) -> int:
 
 def group_rows(trainer) -> list[tuple]:
     """(global name, lr, max_lr, min_lr, wd_mult) of every trainable parameter."""
-    from vitgraph.train.optim import global_names
+    from vitgraph.models.freeze import global_names
     names = {}
     for c in trainer.chunks:
         names.update(global_names(c))
@@ -58,7 +58,7 @@ def make_trainer(tmp_path, config=DEFAULT, *extra):
 def test_groups_follow_the_beit_rule_through_the_schedule(tmp_path):
     t = make_trainer(tmp_path)
     try:
-        o = t.cfg.optim
+        o = t.plan.optim
         groups = t.optimizer.param_groups
         # one group per (weight decay on / off, layer): 2 x (L + 2), no parameter left out
         assert len(groups) == 2 * (LAYERS + 2)
@@ -100,7 +100,7 @@ def test_each_tower_of_a_pair_decays_over_its_own_depth(tmp_path):
     t = make_trainer(tmp_path, CLIP, "data.num_train=256", "data.num_val=100",
                      "task.context_length=32")
     try:
-        o = t.cfg.optim
+        o = t.plan.optim
         model = t.chunks[0]
         depth = {"visual": model.visual.decoder.config.num_layers,
                  "text": model.text.decoder.config.num_layers}
@@ -129,8 +129,8 @@ if __name__ == "__main__":
     t.scheduler.step(7)
     out = {"rank": t.d.rank, "pp_rank": t.d.pp_rank, "base": t.scheduler.get_lr({}),
            "groups": [(g["max_lr"], g["wd_mult"]) for g in t.optimizer.param_groups],
-           "rows": group_rows(t), "lr": t.cfg.optim.lr, "min_lr": t.cfg.optim.min_lr}
-    t.save()  # the frozen layer's slice of the stacked optimizer state is filled in
+           "rows": group_rows(t), "lr": t.plan.optim.lr, "min_lr": t.plan.optim.min_lr}
+    t.checkpointer.save(t.step)  # the frozen layer's slice of the stacked optimizer state is filled in
     t.close(shutdown_dist=False)
     t = Trainer(load_config(sys.argv[1], sys.argv[4:]))
     t.maybe_resume()  # same groups on every rank: the checkpoint's common param groups fit

@@ -1,14 +1,18 @@
 """The training loop's parts on their own: the metrics window (device sums, reduction, the log
-line), the event schedule, the start-up's augmentation line and the names of eval files."""
+line), the event schedule, the checkpoint interval, the start-up's augmentation line and the names of eval files."""
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from conftest import world_of_one
-from vitgraph.data.augment import AugmentConfig
+from vitgraph.data.augment import AugmentConfig, augment_line
+from vitgraph.config import CheckpointConfig
+from vitgraph.train.checkpoint import Checkpointer
 from vitgraph.train.events import Schedule
 from vitgraph.train.evaluate import eval_file_name, is_runs_own_data
-from vitgraph.train.metrics import (MetricsWindow, StepResult, augment_line, duration,
-                                    graphs_line, train_line)
+from vitgraph.train.metrics import MetricsWindow, StepResult, duration, graphs_line, train_line
 
 dist1 = world_of_one("torch")
 
@@ -60,15 +64,23 @@ def test_train_line_has_an_eta_and_leaves_out_what_is_unknown():
 
 
 def test_schedule_says_what_is_due_after_each_step():
-    s = Schedule(total_steps=10, log_every=3, eval_every=4, checkpoint_every=5)
+    s = Schedule(total_steps=10, log_every=3, eval_every=4)
     due = {step: s.after(step) for step in range(1, 11)}
     assert [k for k, e in due.items() if e.log] == [3, 6, 9, 10]  # and always the last
     assert [k for k, e in due.items() if e.eval] == [4, 8]  # the last one's is the run's end
-    assert [k for k, e in due.items() if e.checkpoint] == [5]
     assert [k for k, e in due.items() if not e.stop_check] == [10]
     assert [k for k, e in due.items() if e.last] == [10]
     off = Schedule(total_steps=4, log_every=10)
-    assert not any(off.after(k).eval or off.after(k).checkpoint for k in range(1, 5))
+    assert not any(off.after(k).eval for k in range(1, 5))
+
+
+def test_the_checkpointer_says_when_a_save_is_due():
+    def checkpointer(total_steps, **section):
+        return Checkpointer(CheckpointConfig(**section), Path("unused"), total_steps,
+                            SimpleNamespace(rank=1), [], None, None, None)
+    every5 = checkpointer(10, every=5)
+    assert [k for k in range(1, 11) if every5.due(k)] == [5]  # the last one's is the run's end
+    assert not any(checkpointer(4).due(k) for k in range(1, 5))  # every=0: only at the end
 
 
 def test_augment_line_names_what_is_on():
@@ -97,7 +109,8 @@ def test_eval_files_are_named_after_other_data(tmp_path):
 
 def test_runs_own_data_is_what_its_config_yaml_names(tmp_path):
     from conftest import ROOT
-    from vitgraph.config import load_config, save_config
+    from vitgraph.config import load_config
+    from vitgraph.train.runcheck import save_config
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", [f"run.dir={tmp_path}"])
     save_config(cfg, cfg.run_dir / "config.yaml")
     assert is_runs_own_data(cfg)

@@ -11,7 +11,7 @@ import pytest
 
 from vitgraph.memory import (GIB, Layout, in_flight, largest_micro_batch, layer_bytes_per_token,
                              model_of, plan_memory)
-from vitgraph.plan import Recompute
+from vitgraph.models.build import Recompute
 
 from conftest import ROOT, clean_env
 

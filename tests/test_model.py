@@ -14,9 +14,9 @@ dist1 = world_of_one("torch")
 
 def build(d, *over):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch", *over])
-    return build_model(resolve_plan(cfg, d), cfg.model, d, 10, cfg.train.seed)[0], cfg
+    return build_model(resolve(cfg, d.world), cfg.model, d, 10, cfg.train.seed)[0], cfg
 
 
 def test_registry_names_and_aliases():
@@ -85,9 +85,9 @@ def test_interleaved_chunks_tell_float16module_their_virtual_stage(dist1):
     from vitgraph.models.specs import get_layer_spec
     from vitgraph.models.vit import ViT
     from vitgraph.models.build import transformer_config
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    plan = resolve_plan(cfg, dist1)
+    plan = resolve(cfg, dist1.world)
     tc = dataclasses.replace(transformer_config(plan, cfg.model, dist1), bf16=True,
                              params_dtype=torch.bfloat16, virtual_pipeline_model_parallel_size=2)
     arch = resolve_arch(cfg.model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vitgraph.data import DataError, build_native_datasets, iterate_eval_packs, pack_inputs
+from vitgraph.data import DataError, build_datasets, iterate_eval_packs, pack_inputs
 from vitgraph.data import shapes
 from vitgraph.data.augment import AugmentConfig, _colour
 from vitgraph.data.decode import (EncodedPack, crop_box, finish_pack_on_device, header_size,
@@ -238,8 +238,8 @@ def shapes_cfg(**kw):
 
 
 def test_shapes_native_sizes_vary_and_are_deterministic():
-    train, val = build_native_datasets(shapes_cfg(), seed=0)
-    again, _ = build_native_datasets(shapes_cfg(), seed=0)
+    train, val = build_datasets(shapes_cfg(), seed=0, native=True)
+    again, _ = build_datasets(shapes_cfg(), seed=0, native=True)
     assert torch.equal(train.images.pixels, again.images.pixels)
     assert (train.sizes == again.sizes).all() and torch.equal(train.labels, again.labels)
     h, w = train.sizes[:, 0], train.sizes[:, 1]
@@ -250,7 +250,7 @@ def test_shapes_native_sizes_vary_and_are_deterministic():
     # the class is the shape, named in the caption; labels balanced
     assert all(f" {train.classes[lb]} on a " in c for lb, c in zip(train.labels, train.captions))
     assert np.bincount(train.labels.numpy()).tolist() == [30] * 10
-    other, _ = build_native_datasets(shapes_cfg(seed=1), seed=0)
+    other, _ = build_datasets(shapes_cfg(seed=1), seed=0, native=True)
     assert not (other.sizes[:50] == train.sizes[:50]).all()
 
 
@@ -262,13 +262,12 @@ def test_shapes_native_does_not_depend_on_workers():
 
 def test_shapes_native_cache_is_its_own_entry(tmp_path):
     cfg = shapes_cfg(num_train=40, num_val=10, cache_dir=str(tmp_path))
-    train, _ = build_native_datasets(cfg, seed=0)
+    train, _ = build_datasets(cfg, seed=0, native=True)
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 2
-    cached, _ = build_native_datasets(cfg, seed=0)  # read back
+    cached, _ = build_datasets(cfg, seed=0, native=True)  # read back
     assert torch.equal(cached.images.pixels, train.images.pixels)
     assert cached.captions == train.captions and (cached.sizes == train.sizes).all()
-    from vitgraph.data import build_datasets
     build_datasets(cfg, seed=0)  # the fixed split: entries of its own
     assert len(os.listdir(tmp_path)) == 4
 
@@ -326,7 +325,7 @@ def test_header_sizes_match_pil(tmp_path):
 
 
 def test_imagefolder_native_pixels_are_a_resize_and_patchify(folder):
-    train, val = build_native_datasets(folder_cfg(folder), seed=0)
+    train, val = build_datasets(folder_cfg(folder), seed=0, native=True)
     assert train.classes == ["a", "b"] and train.labels.tolist() == [0, 0, 0, 1, 1, 1]
     paths = train.images.paths
     for p, (h, w) in zip(paths, train.sizes.tolist()):
@@ -350,7 +349,7 @@ def test_imagefolder_native_skips_unreadable_headers_and_greys_a_broken_body(fol
     whole = (folder / "train" / "b" / "3.jpg").read_bytes()
     (folder / "train" / "b" / "3.jpg").write_bytes(whole[:len(whole) // 3])  # header reads
     with caplog.at_level("WARNING", logger="vitgraph"):
-        train, _ = build_native_datasets(folder_cfg(folder), seed=0)
+        train, _ = build_datasets(folder_cfg(folder), seed=0, native=True)
         assert len(train) == 6 and "bad.png" in caplog.text and "empty.jpg" in caplog.text
         cut = [os.path.basename(p) for p in train.images.paths].index("3.jpg")
         rows = train.images.rows(cut, (3, 3), P)
@@ -365,7 +364,7 @@ def _pil_decoder(data):
 
 def test_nvjpeg_path_with_a_stand_in_decoder_equals_the_cpu_path(folder, monkeypatch):
     from vitgraph.data.imagefolder import list_classes, read_split_native
-    cpu, _ = build_native_datasets(folder_cfg(folder), seed=0)
+    cpu, _ = build_datasets(folder_cfg(folder), seed=0, native=True)
     classes = list_classes(str(folder / "train"))
     enc = read_split_native(str(folder), "train", classes, workers=2, decode="cuda")
     s = spec(tokens=600, max_images=8, max_patches=48)
@@ -400,10 +399,10 @@ def test_webdataset_native_sizes_and_pixels_match_the_folder(folder, tmp_path):
     make_shards.main([str(folder), str(out), "--shard-size", "3"])
     cache = tmp_path / "cache"
     cfg = folder_cfg(out, kind="webdataset", cache_dir=str(cache))
-    train, val = build_native_datasets(cfg, seed=0)
+    train, val = build_datasets(cfg, seed=0, native=True)
     assert train.images.shuffle_shards == 4
     assert train.images.shard_ids.tolist() == [0, 0, 0, 1, 1, 1]
-    ref_train, ref_val = build_native_datasets(folder_cfg(folder), seed=0)
+    ref_train, ref_val = build_datasets(folder_cfg(folder), seed=0, native=True)
     assert (val.sizes == ref_val.sizes).all() and torch.equal(val.labels, ref_val.labels)
     # PNGs are re-encoded as JPEG in the shards: the same sizes, pixels close
     assert sorted(map(tuple, train.sizes.tolist())) == sorted(map(tuple, ref_train.sizes.tolist()))
@@ -415,7 +414,7 @@ def test_webdataset_native_sizes_and_pixels_match_the_folder(folder, tmp_path):
     assert torch.equal(a[0][jpeg], b[0][jpeg])
     assert (a[0].float() - b[0].float()).abs().mean() < 2
     assert len(list(cache.glob("shard_sizes_*.npy"))) == 2
-    again, _ = build_native_datasets(cfg, seed=0)  # from the cache
+    again, _ = build_datasets(cfg, seed=0, native=True)  # from the cache
     assert (again.sizes == train.sizes).all()
     ld = PackedLoader(train, s, 2, 0, 1, seed=0)
     assert sorted(i for f in ld.next_step() for i in ids(f)) != []

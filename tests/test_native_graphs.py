@@ -314,9 +314,9 @@ def packed_vit(d, seed=0, layers=2):
     from vitgraph.models.registry import ViTArch
     from vitgraph.models.specs import get_layer_spec
     from vitgraph.models.vit import ViT
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    config = tower_config(transformer_config(resolve_plan(cfg, d), cfg.model, d), hidden_size=16,
+    config = tower_config(transformer_config(resolve(cfg, d.world), cfg.model, d), hidden_size=16,
                           num_layers=layers, num_heads=2, ffn_hidden_size=32, activation="gelu",
                           eps=1e-6)
     arch = ViTArch(16, layers, 2, 32, VIT_SPEC.patch_size, 4 * VIT_SPEC.patch_size)

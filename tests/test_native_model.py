@@ -29,10 +29,10 @@ POOLS = {  # name -> (class token, registers, head, position interpolation, pool
 def tower_config(d):
     from vitgraph.models.build import transformer_config
     from vitgraph.models.clip import tower_config as resize
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from vitgraph.config import load_config
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
-    base = transformer_config(resolve_plan(cfg, d), cfg.model, d)
+    base = transformer_config(resolve(cfg, d.world), cfg.model, d)
     # fp32 on the CPU on any machine: the comparisons below are at 1e-5
     base = dataclasses.replace(base, bf16=False, params_dtype=torch.float32,
                                pipeline_dtype=torch.float32, use_cpu_initialization=True)
@@ -218,9 +218,9 @@ def native_config(path, *over):
 
 def test_plan_carries_the_pack_and_never_pads_it(dist1):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = native_config("vit-tiny-shapes.yaml", "model.num_registers=2")
-    plan = resolve_plan(cfg, dist1)
+    plan = resolve(cfg, dist1.world)
     assert plan.pack == PackSpec(tokens=96, max_images=5, max_patches=24, num_prefix=3,
                                  patch_size=4) and not plan.pads
     assert plan.pos_interp == "bicubic"
@@ -229,10 +229,10 @@ def test_plan_carries_the_pack_and_never_pads_it(dist1):
     padded = build_model(plan, cfg.model, dist1, 10, 0, packed_attention="padded")[0]
     assert padded.padded_len(1) == 5 * (3 + 24)  # M slots of max_len
     assert padded.decoder.layers[0].self_attention.attn_mask_type.name == "padding"
-    fixed = resolve_plan(native_config("vit-tiny-shapes.yaml", "data.resolution=fixed"), dist1)
+    fixed = resolve(native_config("vit-tiny-shapes.yaml", "data.resolution=fixed"), dist1.world)
     assert fixed.pack is None
-    pair = resolve_plan(native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
-                                      "task.context_length=32"), dist1)
+    pair = resolve(native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
+                                 "task.context_length=32"), dist1.world)
     assert pair.pack.num_prefix == 0 and pair.pos_interp == "bilinear"
 
 
@@ -243,10 +243,10 @@ def raw_pack(spec, grids, labels, seed=1):
 def test_classification_task_on_a_pack(dist1):
     """prepare -> forward -> loss: the mean label-smoothed cross-entropy over the pack's
     images (empty slots out), the stats vector over images, the FLOPs of a pack."""
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from vitgraph.tasks.classification import ClassificationTask
     cfg = native_config("vit-tiny-shapes.yaml")
-    task = ClassificationTask(resolve_plan(cfg, dist1), cfg, dist1)
+    task = ClassificationTask(resolve(cfg, dist1.world), dist1)
     task.num_classes = 10
     model = task.build_model()[0]
     with torch.no_grad():
@@ -299,12 +299,12 @@ def test_contrastive_losses_with_empty_slots_equal_the_valid_pairs_alone(loss):
 def test_contrastive_task_on_a_pack(dist1):
     """A SigLIP pair's packed image tower: each slot's features equal the image alone in a
     pack of its own, empty slots are fill_label and out of the loss."""
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     from vitgraph.tasks.contrastive import ContrastiveTask
     from vitgraph.tasks.contrastive_loss import siglip_loss
     cfg = native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
                         "task.context_length=32", "task.loss=siglip", "data.caption_dropout=0")
-    task = ContrastiveTask(resolve_plan(cfg, dist1), cfg, dist1)
+    task = ContrastiveTask(resolve(cfg, dist1.world), dist1)
     model = task.build_model()[0]
     grids = [(3, 5), (4, 4), (2, 7)]
     tokens = torch.randint(1, 200, (5, 32), generator=torch.Generator().manual_seed(2))

@@ -176,15 +176,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from vitgraph.config import load_config
-from vitgraph.parallel.setup import collective_timeout, init_distributed
+from vitgraph.parallel.setup import collective_timeout, init_distributed, launched_world_size
+from vitgraph.plan import resolve
 from vitgraph.train.preempt import StopRequests
 cfg = load_config(sys.argv[1], ["parallel.timeout_minutes=0.05", "train.micro_batch_size=8"])
-init_distributed(cfg)
-stops = StopRequests(collective_timeout(cfg))
+init_distributed(resolve(cfg, launched_world_size()))
+stops = StopRequests(collective_timeout(cfg.parallel))
 stops.poll(); stops.poll()  # the group is made, one exchange completed on both ranks
 # every group has the run's timeout but megatron-core 0.16.1's expert gloo group (unused here)
 other = sorted({g.group_desc for g in c10d._world.pg_map
-                if g._get_backend(torch.device("cpu")).options._timeout != collective_timeout(cfg)})
+                if g._get_backend(torch.device("cpu")).options._timeout
+                != collective_timeout(cfg.parallel)})
 done = Path(sys.argv[2])
 dist.barrier()
 if dist.get_rank() == 1:  # frozen: never joins the next exchange
@@ -224,7 +226,7 @@ def test_two_interleaved_stages_never_batch_their_p2p():
     """pp=2 x vpp: the previous and the next stage are one peer, and a batched exchange swaps
     activation and gradient (seen on two H200s; pp2-vpp2 above fails on gloo when batched).
     Every other layout batches, on CPU as on GPU, so the CPU curves test the GPU's p2p path."""
-    from vitgraph.parallel.setup import p2p_mode
+    from vitgraph.plan import p2p_mode
     assert p2p_mode(2, 2, overlap=False)["batch_p2p_comm"] is False
     assert p2p_mode(2, 1, overlap=False)["batch_p2p_comm"] is True
     assert p2p_mode(4, 2, overlap=False)["batch_p2p_comm"] is True
@@ -241,14 +243,15 @@ def test_a_new_trainer_in_one_process_destroys_the_old_process_groups():
     from torch.distributed import distributed_c10d as c10d
     from vitgraph.config import load_config
     from vitgraph.parallel.setup import init_distributed, shutdown
+    from vitgraph.plan import resolve
     was_up = dist.is_initialized()
-    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"])
+    plan = resolve(load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"]), 1)
     try:
-        init_distributed(cfg)
+        init_distributed(plan)
         old = ps.get_data_parallel_group()
         counts = [len(c10d._world.pg_map)]
         for _ in range(3):
-            init_distributed(cfg)
+            init_distributed(plan)
             counts.append(len(c10d._world.pg_map))
         assert old not in c10d._world.pg_map and ps.get_data_parallel_group() in c10d._world.pg_map
         assert len(set(counts)) == 1, counts

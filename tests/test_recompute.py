@@ -20,9 +20,9 @@ def _cfg(*over):
 
 def _config_of(d, *over):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = _cfg(*over)
-    plan = resolve_plan(cfg, d)
+    plan = resolve(cfg, d.world)
     return plan, build_model(plan, cfg.model, d, 10, cfg.train.seed)[0]
 
 

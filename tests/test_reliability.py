@@ -19,9 +19,10 @@ from PIL import Image
 
 from conftest import ROOT, checkpoint_tensors, free_port, tiny_overrides, vitgraph_cmd
 from vitgraph.cli import main
-from vitgraph.config import ConfigError, load_config, save_config
+from vitgraph.config import ConfigError, load_config
+from vitgraph.train.runcheck import save_config
 from faults import nan_loss_at
-from vitgraph.parallel.setup import Dist
+from vitgraph.parallel.dist import Dist
 from vitgraph.train import checkpoint
 from vitgraph.train.preempt import PREEMPTED_EXIT
 from vitgraph.train.runcheck import check_run_dir

@@ -102,12 +102,11 @@ def test_caption_dropout_in_the_task_starts_late_and_spares_held_out():
     from vitgraph.data.shapes import caption_variants
     from vitgraph.tasks.contrastive import ContrastiveTask
     cfg = load_config(CLIP, ["data.caption_dropout=0.5", "data.caption_dropout_start=0.6",
-                             "train.steps=100"])
-    cfg.train.global_batch_size = 64
-    from vitgraph.plan import resolve_plan
-    d = types.SimpleNamespace(dp_rank=0, dp=1, tp=1, pp=1, vpp=1, device="cpu", cuda=False,
-                              graphs=None)
-    task = ContrastiveTask(resolve_plan(cfg, d), cfg, d, total_steps=100)
+                             "train.steps=100", "train.global_batch_size=64",
+                             "train.micro_batch_size=64"])
+    from vitgraph.plan import resolve
+    d = types.SimpleNamespace(dp_rank=0, dp=1, tp=1, pp=1, vpp=1, device="cpu", cuda=False)
+    task = ContrastiveTask(resolve(cfg, 1), d, total_steps=100)
     caps = ["a large white star", "a small dark blue L-shape"] * 32
     images = torch.zeros(64, 32, 32, 3, dtype=torch.uint8)
     labels = torch.zeros(64, dtype=torch.long)

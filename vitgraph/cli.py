@@ -217,7 +217,7 @@ def _class_count(data) -> int:
 def _params(args) -> int:
     """`vitgraph params`: the model of a config, built as training builds it, one line per
     parameter. At one process and tp = pp = 1: the names are the global ones that model.freeze
-    matches at every layout (vitgraph.train.optim.global_names)."""
+    matches at every layout (vitgraph.models.freeze.global_names)."""
     if "torch" not in sys.modules:  # nothing here needs a GPU: stay off it
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from vitgraph.config import ConfigError, load_config
@@ -229,7 +229,8 @@ def _params(args) -> int:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
     from vitgraph.parallel.setup import shutdown
-    from vitgraph.train.optim import _no_decay, global_names, lr_scales
+    from vitgraph.models.freeze import global_names
+    from vitgraph.train.optim import _no_decay, lr_scales
     try:
         chunks, _ = single_process_chunks(cfg, cfg.model.num_classes or _class_count(cfg.data))
         scales = lr_scales(chunks, cfg.optim.layer_decay)
@@ -326,7 +327,7 @@ def _export(args) -> int:
     from vitgraph.convert import (ConvertError, export_files, from_vitgraph,
                                   read_checkpoint_weights, save_safetensors)
     from vitgraph.models.registry import CLIP_MODELS, resolve_arch
-    from vitgraph.train.checkpoint import checkpoint_dir
+    from vitgraph.convert.checkpoints import checkpoint_dir
     run_dir = Path(args.run_dir)
     try:
         raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}

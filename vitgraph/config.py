@@ -17,11 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import yaml
 
 from vitgraph.config_keys import ConfigError, check_section, coerce_field, key, resume_ok
 from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
+from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch
+from vitgraph.models.specs import te_available
+from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
+from vitgraph.text.bpe import available
+from vitgraph.text.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
 
 
 @dataclass
@@ -91,7 +97,6 @@ class ModelConfig:
 def _validate_model(m: ModelConfig, err):
     """model.*: the architecture it names, its keys against each other and init_from's file;
     returns the architecture (vitgraph.models.registry.ViTArch)."""
-    from vitgraph.models.registry import resolve_arch
     try:
         arch = resolve_arch(m)
     except KeyError as e:
@@ -404,7 +409,7 @@ class ParallelConfig:
     overlap_param_gather: bool = key(False, resume_ok=True)
     # interleaved pipelining (vpp > 1): post stage-to-stage sends and receives one by one and
     # overlap them with compute (megatron's overlap_p2p_comm). Off: batched exchanges (two
-    # stages: one at a time, vitgraph.parallel.setup.p2p_mode says why)
+    # stages: one at a time, vitgraph.plan.p2p_mode says why)
     overlap_p2p_comm: bool = key(False, resume_ok=True)
     # a collective that has not finished after this long ends the run with an error naming
     # the rank and the operation (NCCL watchdog / gloo timeout)
@@ -455,7 +460,6 @@ def task_kind(cfg: "Config") -> str:
     """task.kind with auto resolved from model.name."""
     if cfg.task.kind != "auto":
         return cfg.task.kind
-    from vitgraph.models.registry import CLIP_MODELS
     return "contrastive" if cfg.model.name in CLIP_MODELS else "classification"
 
 
@@ -670,7 +674,6 @@ def _suggest(prefix: str, name: str, valid: list[str]) -> str:
 # ---------------------------------------------------------------- validation
 
 def _validate_contrastive(cfg: Config, err) -> None:
-    from vitgraph.models.registry import CLIP_MODELS, resolve_clip_arch
     if cfg.model.name not in CLIP_MODELS:
         err("model.name", cfg.model.name, f"task.kind=contrastive needs an image-text pair; "
                                           f"known: {', '.join(sorted(CLIP_MODELS))}")
@@ -681,10 +684,7 @@ def _validate_contrastive(cfg: Config, err) -> None:
                                  "parallelism for the pair of towers is not supported): use tp / dp")
     if p.sequence_parallel:
         err("parallel.sequence_parallel", True, "the text tower has no sequence parallelism yet")
-    from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
-    from vitgraph.text.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
     if tokenizer_kind(cfg.task.tokenizer, arch.text.vocab_size) == "bpe":
-        from vitgraph.text.bpe import available
         if arch.text.vocab_size != BPE_VOCAB_SIZE:
             err("task.tokenizer", "bpe", f"CLIP's BPE has {BPE_VOCAB_SIZE} ids; the text tower of "
                                          f"{cfg.model.name} has {arch.text.vocab_size}: use byte")
@@ -713,7 +713,6 @@ def _validate_contrastive(cfg: Config, err) -> None:
 def _validate_native(cfg: Config, arch, err) -> None:
     """data.resolution=native: the packing keys against each other, the model and the layout."""
     k, t, p = cfg.data.packing, cfg.train, cfg.parallel
-    from vitgraph.models.registry import CLIP_MODELS, resolve_clip_arch
     if task_kind(cfg) == "contrastive" and cfg.model.name in CLIP_MODELS:
         prefix = int(resolve_clip_arch(cfg.model).class_token)  # a pair's own image tower
     else:
@@ -823,7 +822,6 @@ def _validate_layout(cfg: Config, arch, err) -> None:
 
 def _validate_task(cfg: Config, err) -> None:
     """What the task kind asks of the model, the data and the other keys."""
-    from vitgraph.models.registry import CLIP_MODELS
     kind = task_kind(cfg)
     if kind == "contrastive":
         _validate_contrastive(cfg, err)
@@ -940,16 +938,6 @@ def validate_machine(cfg: Config, src: str = "<config>") -> None:
     """Checks against this machine, made before a run starts (``validate`` leaves them out so
     that GPU configs still load anywhere)."""
     if cfg.model.spec == "te":
-        import torch
-
-        from vitgraph.models.specs import te_available
         if not (torch.cuda.is_available() and te_available()):
             raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
                               f"(pip install -e .[te]); use model.spec=torch or auto without them")
-
-
-def save_config(cfg: Config, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)

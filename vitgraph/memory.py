@@ -25,8 +25,21 @@ holds it to 10%).
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field, replace
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from vitgraph.config import check_layout, graph_constraints, load_config, task_kind
+from vitgraph.graphs.auto import choose_graphs
+from vitgraph.models.build import Recompute, recompute_plan, token_multiple
+from vitgraph.models.freeze import freeze, global_names
+from vitgraph.models.vit import sequence_length
+from vitgraph.parallel.setup import init_distributed, shutdown
+from vitgraph.plan import resolve
+from vitgraph.tasks import make_task
 
 GIB = 2 ** 30
 # outside what is counted per tensor: workspaces, communicator buffers, allocator slack
@@ -129,8 +142,6 @@ class MemoryPlan:
 
 
 def _stacks(cfg, plan) -> tuple:
-    from vitgraph.models.vit import sequence_length
-    from vitgraph.config import task_kind
     a = plan.arch
     if plan.pack is not None:
         tokens = plan.pack.tokens
@@ -157,22 +168,16 @@ def single_process_chunks(single, num_classes: int | None = None, meta: bool = F
     process builds it, with model.freeze / task.lock_image applied: ``(chunks, plan)``.
     ``meta``: on the meta device (no memory, no initialisation: for counting). The caller
     shuts the process group down (vitgraph.parallel.setup.shutdown)."""
-    import torch
-
-    from vitgraph.parallel.setup import init_distributed
-    from vitgraph.plan import resolve_plan
-    from vitgraph.tasks import make_task
-    from vitgraph.train.optim import freeze, freeze_rules
-    d = init_distributed(single)
-    plan = resolve_plan(single, d)
-    task = make_task(plan, single, d)
+    plan = resolve(single, 1)
+    d = init_distributed(plan)
+    task = make_task(plan, d)
     task.num_classes = single.model.num_classes or num_classes or 1000
     if meta:
         with torch.device("meta"):
-            chunks = task.build_model()
+            chunks = task.build_model(with_init_from=False)
     else:
-        chunks = task.build_model()
-    freeze(chunks, freeze_rules(single))
+        chunks = task.build_model(with_init_from=False)
+    freeze(chunks, plan.freeze)
     return chunks, plan
 
 
@@ -180,11 +185,6 @@ def model_of(path, overrides=()) -> Model:
     """Count the parameters of the config at ``path`` with ``overrides`` on the meta device
     (no data read: a classifier without model.num_classes gets a 1000-class head, a rounding
     error of the total)."""
-    import re
-
-    from vitgraph.parallel.setup import shutdown
-    from vitgraph.train.optim import global_names
-    from vitgraph.config import load_config
     single = load_config(path, [*overrides, *SINGLE], data=False)
     # one process: the step's batch is one micro-batch (nothing is trained)
     single.train.global_batch_size = single.train.micro_batch_size
@@ -273,16 +273,13 @@ def plan_memory(cfg, model: Model, layout: Layout, micro_batch: int | None = Non
                 recompute=None, offload_fraction: float | None = None) -> MemoryPlan:
     """The memory of each pipeline stage (the first GPU of each, tp ranks being alike) at
     ``layout`` with ``micro_batch`` (default: train.micro_batch_size) and ``recompute``
-    (a vitgraph.plan.Recompute; default: the config's)."""
-    from vitgraph.config import graph_constraints
-    from vitgraph.graphs.auto import choose_graphs
-    from vitgraph.plan import recompute_plan
+    (a vitgraph.models.build.Recompute; default: the config's)."""
     t, p = cfg.train, cfg.parallel
     mb = micro_batch or t.micro_batch_size
     fp8 = t.precision == "fp8"
     bf16 = t.precision in ("bf16", "fp8")
     if recompute is None:
-        recompute = recompute_plan(cfg, _chunks(layout))
+        recompute = recompute_plan(t, model.num_layers // (layout.pp * layout.vpp))
     offload = cfg.optim.offload_fraction if offload_fraction is None else offload_fraction
     microbatches = max(1, t.global_batch_size // (mb * layout.dp))
     graphs = choose_graphs(cfg.graphs, True, t.precision, t.fp8_recipe, layout.tp,
@@ -362,15 +359,8 @@ def _stage_activations(model: Model, layout: Layout, stage: int, mb: int, per_ch
     return kept, working
 
 
-def _chunks(layout: Layout):
-    """A stand-in for the process groups with the layout's pipeline (recompute_plan's ``d``)."""
-    from types import SimpleNamespace
-    return SimpleNamespace(pp=layout.pp, vpp=layout.vpp)
-
-
 def _padded(seq: int, mb: int, layout: Layout, fp8: bool) -> int:
     """An image's tokens as the model pads them (sequence parallel, FP8 GEMMs)."""
-    from vitgraph.models.build import token_multiple
     m = token_multiple(layout.tp if layout.sequence_parallel else 1, fp8, mb)
     return -(-seq // m) * m
 
@@ -401,7 +391,6 @@ def largest_micro_batch(cfg, model: Model, layout: Layout, budget: int, recomput
 def alternatives(cfg, model: Model, layout: Layout, budget: int) -> list[str]:
     """What would fit ``budget`` when the config's layout does not: full recompute, then tp,
     pp and more data-parallel ranks for the distributed optimizer, each on its own."""
-    from vitgraph.plan import Recompute
     mb = cfg.train.micro_batch_size
     full = Recompute("full", "uniform", 1)
     tries = []
@@ -443,8 +432,6 @@ def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
            micro_batch: int | None = None, as_json: bool = False) -> tuple[str, bool]:
     """The text (or JSON) of ``vitgraph plan`` and whether the run fits ``gpu_mem_gib`` per
     GPU; ``gpus`` None: parallel.tp x parallel.pp (dp 1)."""
-    from vitgraph.config import check_layout, load_config
-    from vitgraph.plan import Recompute
     cfg = load_config(path, overrides, data=False)
     gpus = gpus or cfg.parallel.tp * cfg.parallel.pp
     check_layout(cfg, gpus, str(path))
@@ -485,8 +472,6 @@ def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
         lines.append("would fit: " + ("; ".join(alt) if alt else
                      "none of recompute, tp, pp or more dp alone; combine them"))
     if as_json:
-        import json
-        from dataclasses import asdict
         return json.dumps({
             "model": cfg.model.name, "parameters": total, "layout": asdict(layout),
             "micro_batch": plan.micro_batch, "microbatches": plan.microbatches,

@@ -41,7 +41,7 @@ def test_layer_decay_groups_in_megatrons_optimizer(tmp_path, over):
     decay = 0.65
     t = make_trainer(tmp_path, f"optim.layer_decay={decay}", "optim.warmup_steps=2", *over)
     try:
-        from vitgraph.train.optim import global_names
+        from vitgraph.models.freeze import global_names
         names = global_names(t.chunks[0])
         groups = group_of(t.optimizer)
         data = batches()
@@ -49,7 +49,7 @@ def test_layer_decay_groups_in_megatrons_optimizer(tmp_path, over):
             t.graphs.step_begin(s)
             t.train_step(data)
         base = t.scheduler.get_lr({})
-        o = t.cfg.optim
+        o = t.plan.optim
         params = [p for p in t.chunks[0].parameters()]
         assert set(map(id, groups)) == set(map(id, params))
         for p in params:
@@ -78,7 +78,7 @@ def test_frozen_parameters_under_graphs(tmp_path, over):
     t = make_trainer(tmp_path, pat, "graphs.warmup_steps=2", "optim.layer_decay=0.75",
                      "optim.lr=1e-3", "optim.warmup_steps=1", *over)
     try:
-        from vitgraph.train.optim import global_names
+        from vitgraph.models.freeze import global_names
         names = global_names(t.chunks[0])
         frozen = [p for p in t.chunks[0].parameters() if not p.requires_grad]
         # patch_embed weight and bias, cls_token, pos_embed; layer 0's 12 TE tensors

@@ -14,11 +14,11 @@ dist1 = world_of_one("te")
 
 def _build(d, spec, *over):
     from vitgraph.models.build import build_model
-    from vitgraph.plan import resolve_plan
+    from vitgraph.plan import resolve
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
                       ["data.kind=shapes", f"model.spec={spec}", "model.num_layers=4",
                        "model.gradient_accumulation_fusion=false", *over])
-    return build_model(resolve_plan(cfg, d), cfg.model, d, 10, cfg.train.seed)[0]
+    return build_model(resolve(cfg, d.world), cfg.model, d, 10, cfg.train.seed)[0]
 
 
 def _rel(a, b):

@@ -92,7 +92,7 @@ def whole_and_resumed(tmp_path, first_over, resume_over):
     t = make_trainer(tmp_path, *first_over)
     try:
         first = run_steps(t, 0, 6)
-        t.save()
+        t.checkpointer.save(t.step)
         whole = first + run_steps(t, 6, 12)
     finally:
         t.close(shutdown_dist=False)

@@ -20,7 +20,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vitgraph.convert.naflex import naflex_model_args
+from vitgraph.convert.tables import ConvertError
 from vitgraph.data.loader import MEAN, STD
+from vitgraph.models.registry import (CLIP_MODELS, resolve_arch, resolve_clip_arch,
+                                      resolve_pos_interp)
 
 CLASSES_FILE = "classes.json"
 
@@ -83,7 +87,6 @@ def timm_config(name: str, arch, model_cfg, num_classes: int,
     model.distill_token: DeiT's ``VisionTransformerDistilled``)."""
     distilled = getattr(model_cfg, "distill_token", False)
     if distilled and model_cfg.num_registers:
-        from vitgraph.convert.tables import ConvertError
         raise ConvertError("timm's distilled ViT (VisionTransformerDistilled) has no register "
                            "tokens: this run has a distillation token and registers")
     pool = "token" if model_cfg.pool == "cls" and model_cfg.class_token else "avg"
@@ -116,7 +119,6 @@ def timm_naflex_config(arch, *, class_token: bool, num_registers: int, pool: str
     """timm's ``config.json`` for a ``NaFlexVit`` (``timm_naflex`` exports of a native run):
     the SigLIP 2 NaFlex ViT-B/16 entry point (no LayerScale) with every size and choice in
     ``model_args`` (vitgraph.convert.naflex.naflex_model_args)."""
-    from vitgraph.convert.naflex import naflex_model_args
     args = naflex_model_args(arch, class_token=class_token, num_registers=num_registers,
                              pool=pool, activation=activation, pos_interp=pos_interp,
                              num_classes=num_classes, ln_pre=ln_pre)
@@ -137,8 +139,6 @@ def timm_naflex_config(arch, *, class_token: bool, num_registers: int, pool: str
 def timm_naflex_config_for(model_cfg, num_classes: int, classes: list[str] | None) -> dict:
     """``timm_naflex_config`` of a run's ``model:`` section: a classifier, or an image-text
     pair's image tower (what vitgraph.convert.naflex exports of a pair)."""
-    from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch
-    from vitgraph.models.registry import resolve_pos_interp
     interp = resolve_pos_interp(model_cfg)
     if model_cfg.name in CLIP_MODELS:
         pair = resolve_clip_arch(model_cfg)

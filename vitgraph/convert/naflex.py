@@ -15,7 +15,7 @@ Full models only (tensor-parallel size 1). Names on both sides::
     head.*                                                 head.*
     blocks.{i}.<layer>                                     decoder.layers.{i}.<layer>
 
-A layer is timm's ``Block`` (the classic ViT's names: vitgraph.convert.names.TIMM). timm's
+A layer is timm's ``Block`` (the classic ViT's names: vitgraph.convert.tables.TIMM). timm's
 prefix tokens have no position entry; ours do (the fixed path adds ``pos_embed[:, :prefix]``
 to them, the packed path too), so on the way in our prefix entries are zero, and on the way
 out they are added into ``cls_token`` / ``reg_token``: the same function both ways, and
@@ -44,8 +44,7 @@ import re
 import torch
 
 from vitgraph.convert import tables
-from vitgraph.convert.names import TIMM
-from vitgraph.convert.tables import ConvertError, Reshape, Tower, check_empty, take
+from vitgraph.convert.tables import TIMM, ConvertError, Reshape, Tower, check_empty, take
 
 
 def _patch_to_ours(t: torch.Tensor) -> torch.Tensor:

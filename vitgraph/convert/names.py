@@ -22,45 +22,13 @@ from __future__ import annotations
 import re
 
 from vitgraph.convert import tables
-from vitgraph.convert.tables import (ConvertError, Tower, check_empty, num_layers_of,  # noqa: F401
-                                     qkv_from_megatron, qkv_to_megatron)
+from vitgraph.convert.naflex import NAFLEX, naflex_to_vitgraph, vitgraph_to_naflex
+from vitgraph.convert.openclip import TEXT, VISION, open_clip_to_vitgraph, vitgraph_to_open_clip
+from vitgraph.convert.tables import (CLASSIFIER_OPTIONAL, TIMM, ConvertError, Tower,  # noqa: F401
+                                     check_empty, num_layers_of, qkv_from_megatron,
+                                     qkv_to_megatron)
 
 FORMATS = ("vitgraph", "timm", "hf", "open_clip", "timm_naflex")
-
-_CLASSIFIER_OPTIONAL = frozenset({"cls_token", "registers", "head.weight", "head.bias",
-                                  "dist_token", "head_dist.weight", "head_dist.bias"})
-
-TIMM = Tower(
-    globals=(
-        ("patch_embed.weight", "patch_embed.proj.weight"),
-        ("patch_embed.bias", "patch_embed.proj.bias"),
-        ("cls_token", "cls_token"),
-        ("dist_token", "dist_token"),  # DeiT's distilled models
-        ("registers", "reg_token"),
-        ("pos_embed", "pos_embed"),
-        ("final_norm.weight", "norm.weight"),
-        ("final_norm.bias", "norm.bias"),
-        ("head.weight", "head.weight"),
-        ("head.bias", "head.bias"),
-        ("head_dist.weight", "head_dist.weight"),
-        ("head_dist.bias", "head_dist.bias"),
-    ),
-    layer=(
-        ("self_attention.linear_qkv.layer_norm_weight", "norm1.weight"),
-        ("self_attention.linear_qkv.layer_norm_bias", "norm1.bias"),
-        ("self_attention.linear_proj.weight", "attn.proj.weight"),
-        ("self_attention.linear_proj.bias", "attn.proj.bias"),
-        ("mlp.linear_fc1.layer_norm_weight", "norm2.weight"),
-        ("mlp.linear_fc1.layer_norm_bias", "norm2.bias"),
-        ("mlp.linear_fc1.weight", "mlp.fc1.weight"),
-        ("mlp.linear_fc1.bias", "mlp.fc1.bias"),
-        ("mlp.linear_fc2.weight", "mlp.fc2.weight"),
-        ("mlp.linear_fc2.bias", "mlp.fc2.bias"),
-    ),
-    qkv=("attn.qkv.{kind}",),
-    theirs_layers="blocks.{i}.",
-    optional=_CLASSIFIER_OPTIONAL,
-)
 
 # Hugging Face ViT, the names its hub checkpoints use (transformers 4; transformers 5 renames
 # them on load). ViTForImageClassification prefixes the encoder with "vit.".
@@ -90,7 +58,7 @@ HF = Tower(
     qkv=("attention.attention.query.{kind}", "attention.attention.key.{kind}",
          "attention.attention.value.{kind}"),
     theirs_layers="vit.encoder.layer.{i}.",
-    optional=_CLASSIFIER_OPTIONAL - {"cls_token"},
+    optional=CLASSIFIER_OPTIONAL - {"cls_token"},
 )
 # transformers 5 module names -> the hub names above (applied in this order)
 _HF5_RENAMES = [
@@ -213,10 +181,8 @@ def to_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = Non
     if fmt == "hf":
         return hf_to_vitgraph(sd, num_heads)
     if fmt == "open_clip":
-        from vitgraph.convert.openclip import open_clip_to_vitgraph
         return open_clip_to_vitgraph(sd, num_heads, text_heads)
     if fmt == "timm_naflex":
-        from vitgraph.convert.naflex import naflex_to_vitgraph
         return naflex_to_vitgraph(sd, num_heads)
     raise ConvertError(f"unknown weights format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
@@ -226,13 +192,11 @@ def name_in_file(fmt: str, ours: str) -> str:
     if fmt in ("timm", "hf"):
         return tables.their_name(TIMM if fmt == "timm" else HF, ours) or ours
     if fmt == "timm_naflex":
-        from vitgraph.convert.naflex import NAFLEX
         if ours in ("pos_embed", "visual.pos_embed"):
             return "embeds.pos_embed"
         return (tables.their_name(NAFLEX, ours)
                 or tables.their_name(NAFLEX, ours.removeprefix("visual.")) or ours)
     if fmt == "open_clip":
-        from vitgraph.convert.openclip import TEXT, VISION
         return (tables.their_name(VISION, ours) or tables.their_name(VISION, "visual." + ours)
                 or tables.their_name(TEXT, ours) or ours)
     return ours
@@ -247,9 +211,7 @@ def from_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = N
     if fmt == "hf":
         return vitgraph_to_hf(sd, num_heads)
     if fmt == "open_clip":
-        from vitgraph.convert.openclip import vitgraph_to_open_clip
         return vitgraph_to_open_clip(sd, num_heads, text_heads)
     if fmt == "timm_naflex":
-        from vitgraph.convert.naflex import vitgraph_to_naflex
         return vitgraph_to_naflex(sd, num_heads)
     raise ConvertError(f"unknown weights format {fmt!r}; known: {', '.join(FORMATS)}")

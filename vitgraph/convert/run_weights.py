@@ -24,7 +24,7 @@ _STACKED = re.compile(r"^(.*?decoder\.layers\.)(?!\d+\.)(.+)$")
 def read_checkpoint_weights(path: str | Path, ema: bool = False
                             ) -> tuple[dict[str, torch.Tensor], int]:
     """(full state dict with global layer numbers, step) of one checkpoint's step directory
-    (vitgraph.train.checkpoint.checkpoint_dir finds it in a run). ``ema``: the EMA of the
+    (vitgraph.convert.checkpoints.checkpoint_dir finds it in a run). ``ema``: the EMA of the
     weights (train.ema) instead of the weights; ConvertError naming the checkpoint when it
     holds none."""
     path = Path(path)

@@ -167,3 +167,43 @@ def from_vitgraph(rest: dict, tower: Tower, num_heads: int) -> dict:
             for name, part in zip(tower.qkv, parts):
                 out[dst + name.format(kind=kind)] = part
     return out
+
+
+# ---------------------------------------------------------------- timm's ViT
+
+# timm's VisionTransformer names (vitgraph.convert.names); its NaFlexVit has the same layer
+# (vitgraph.convert.naflex)
+CLASSIFIER_OPTIONAL = frozenset({"cls_token", "registers", "head.weight", "head.bias",
+                                  "dist_token", "head_dist.weight", "head_dist.bias"})
+
+TIMM = Tower(
+    globals=(
+        ("patch_embed.weight", "patch_embed.proj.weight"),
+        ("patch_embed.bias", "patch_embed.proj.bias"),
+        ("cls_token", "cls_token"),
+        ("dist_token", "dist_token"),  # DeiT's distilled models
+        ("registers", "reg_token"),
+        ("pos_embed", "pos_embed"),
+        ("final_norm.weight", "norm.weight"),
+        ("final_norm.bias", "norm.bias"),
+        ("head.weight", "head.weight"),
+        ("head.bias", "head.bias"),
+        ("head_dist.weight", "head_dist.weight"),
+        ("head_dist.bias", "head_dist.bias"),
+    ),
+    layer=(
+        ("self_attention.linear_qkv.layer_norm_weight", "norm1.weight"),
+        ("self_attention.linear_qkv.layer_norm_bias", "norm1.bias"),
+        ("self_attention.linear_proj.weight", "attn.proj.weight"),
+        ("self_attention.linear_proj.bias", "attn.proj.bias"),
+        ("mlp.linear_fc1.layer_norm_weight", "norm2.weight"),
+        ("mlp.linear_fc1.layer_norm_bias", "norm2.bias"),
+        ("mlp.linear_fc1.weight", "mlp.fc1.weight"),
+        ("mlp.linear_fc1.bias", "mlp.fc1.bias"),
+        ("mlp.linear_fc2.weight", "mlp.fc2.weight"),
+        ("mlp.linear_fc2.bias", "mlp.fc2.bias"),
+    ),
+    qkv=("attn.qkv.{kind}",),
+    theirs_layers="blocks.{i}.",
+    optional=CLASSIFIER_OPTIONAL,
+)

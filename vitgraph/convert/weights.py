@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vitgraph.convert.names import ConvertError, name_in_file, to_vitgraph
+from vitgraph.convert.naflex import naflex_to_vitgraph
+from vitgraph.convert.names import ConvertError, detect_format, name_in_file, to_vitgraph
+from vitgraph.convert.openclip import INTO_CLASSIFIER
 from vitgraph.models.init import global_names as _global_names
 from vitgraph.models.vit import unwrap
 
@@ -276,8 +278,6 @@ def _check_size(sd: dict, target, path) -> None:
 
 def init_from(model, path: str, fmt: str = "auto") -> dict:
     """``model.init_from``: read ``path``, convert from ``fmt`` (auto-detected), load."""
-    from vitgraph.convert.names import detect_format
-    from vitgraph.convert.openclip import INTO_CLASSIFIER
     target = unwrap(model)
     raw = load_file(path)
     if fmt == "auto":
@@ -293,7 +293,6 @@ def init_from(model, path: str, fmt: str = "auto") -> dict:
                          "not used", unused)
     heads, text_heads = heads_of(target)
     if fmt == "timm_naflex":  # a SigLIP tower's names go where the target has its tower
-        from vitgraph.convert.naflex import naflex_to_vitgraph
         sd = naflex_to_vitgraph(raw, heads, tower=_is_pair(target))
     else:
         sd = to_vitgraph(raw, fmt, heads, text_heads)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph.config_keys import ConfigError, check_section, declared, key
-from vitgraph.data.loader import MEAN, STD, to_device_uint8
+from vitgraph.data.loader import MEAN, STD, to_device_uint8, to_model_input
 
 GEOMETRIC = ("rotate", "shear_x", "shear_y", "translate_x", "translate_y")
 COLOUR = ("identity", "autocontrast", "equalize", "brightness", "color", "contrast",
@@ -416,11 +416,39 @@ def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return y.view(b, c, h, w).clamp_(0, 1)
 
 
+def augment_line(a, mixes_labels: bool = True) -> str:
+    """The augmentation in force (``data.augment``, its preset's values resolved), as the
+    start of a run logs it. ``mixes_labels``: whether the task mixes labels (a contrastive
+    task never does)."""
+    if not a.enabled:
+        return "off"
+    a = a.resolve()
+    parts = [f"crop {a.crop_scale_min:g}-{a.crop_scale_max:g} of the area"]
+    if a.flip:
+        parts.append(f"flip {a.flip:g}")
+    if a.auto == "randaugment" and a.num_ops:
+        parts.append(f"randaugment {a.num_ops} ops m{a.magnitude:g} (std {a.magnitude_std:g}, "
+                     f"p {a.op_prob:g})")
+    elif a.auto == "trivialaugment":
+        parts.append("trivialaugment")
+    elif a.auto == "3augment":
+        parts.append("3-augment (grayscale / solarize / blur)")
+    if a.color_jitter:
+        parts.append(f"colour jitter {a.color_jitter:g}")
+    if mixes_labels and a.mixes:
+        mix = [f"{name} {alpha:g}" for name, alpha in (("mixup", a.mixup_alpha),
+                                                        ("cutmix", a.cutmix_alpha)) if alpha]
+        parts.append(" / ".join(mix) + f" (p {a.mix_prob:g}"
+                     + (f", cutmix share {a.switch_prob:g})" if len(mix) == 2 else ")"))
+    if a.erase_prob:
+        parts.append(f"erasing {a.erase_prob:g}")
+    return ", ".join(parts)
+
+
 def prepare_batch(augment: BatchAugment | None, images, labels: torch.Tensor, key,
                   image_size: int, device, dtype=torch.float32, first_stage: bool = True):
     """(model input or None, targets on ``device``) for one microbatch; ``key`` None (eval) or
     no ``augment`` gives the plain eval transform and the labels."""
-    from vitgraph.data.loader import to_model_input
     if augment is None or key is None:
         x = to_model_input(images, image_size, device, dtype) if first_stage else None
         return x, labels.to(device, non_blocking=True)

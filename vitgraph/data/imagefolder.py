@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from vitgraph.data.dataset import DataError, ImageDataset
-from vitgraph.data.decode import EncodedImages, for_device, load_image, resolve_decode
+from vitgraph.data.decode import EncodedImages, for_device, load_image, read_size, resolve_decode
+from vitgraph.data.native import FileImages, NativeDataset, read_sizes
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 NAMED = 5  # unreadable files named in the log; the rest are counted
@@ -210,7 +211,6 @@ def imagefolder_decode(data_cfg) -> str:
 
 def file_size(path: str) -> tuple[int, int]:
     """(h, w) of an image file from its header (vitgraph.data.decode.read_size)."""
-    from vitgraph.data.decode import read_size
     try:
         with open(path, "rb") as f:
             total = os.fstat(f.fileno()).st_size
@@ -228,7 +228,6 @@ def read_split_native(root: str, split: str, classes: list[str], workers: int = 
     """One split at native resolution: every file's size from its header (in ``workers``
     threads; a file whose header does not read is skipped, counted and named as
     ``read_split`` does), the pixels read and decoded when a pack draws them."""
-    from vitgraph.data.native import FileImages, NativeDataset, read_sizes
     split_dir = os.path.join(root, split)
     paths, labels = list_files(split_dir, classes)
     sizes, bad = read_sizes(len(paths), lambda i: file_size(paths[i]), workers)

@@ -4,8 +4,9 @@ the packed training loader, the eval packs and the packs' device-side transform.
 * ``NativeDataset``: labels, classes, captions / tokens as ``ImageDataset`` has them, and
   ``images``, a ``NativeImages`` source whose ``sizes`` (h, w) are known before any pixel is
   decoded (the shapes data draws them first; files and shards read their headers), so the
-  packer plans a step from sizes alone. ``build_native_datasets(data_cfg, seed)`` makes the
-  (train, held-out) pair for data.kind shapes | imagefolder | webdataset.
+  packer plans a step from sizes alone. ``vitgraph.data.build_datasets(data_cfg, seed,
+  native=True)`` makes the (train, held-out) pair for data.kind shapes | imagefolder |
+  webdataset.
 * ``PackedLoader``: each step's ``num_microbatches x dp`` packs (vitgraph.data.packing), the
   same global packing on every rank, each rank taking its slice; deterministic from the seed
   and resumed exactly (the images waiting for a pack are part of its state).
@@ -31,6 +32,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from vitgraph.data.augment import _rng, draw_ops
 from vitgraph.data.dataset import DataError
 from vitgraph.data.decode import (EncodedPack, decode_native, finish_pack_on_device,
                                   native_for_device, resize_native)
@@ -537,16 +539,10 @@ OPS = ("identity", "autocontrast", "equalize", "brightness", "color", "contrast"
        "solarize")
 
 
-def _rng(seed: int, key: tuple, stream: int) -> np.random.Generator:
-    from vitgraph.data.augment import _rng as augment_rng
-    return augment_rng(seed, key, stream)
-
-
 def pack_params(cfg, rng: np.random.Generator, m: int):
     """Per image slot: flip (bool [m]), op indices into ``OPS`` ([m, slots], -1: skipped) and
     signed magnitudes in [-1, 1], drawn as ``BatchAugment`` draws them (flip, then
     ``augment.draw_ops``: auto, num_ops, magnitude, magnitude_std, op_prob, color_jitter)."""
-    from vitgraph.data.augment import draw_ops
     flip = rng.uniform(0, 1, m) < cfg.flip
     ops, mag = draw_ops(cfg, rng, m, OPS)
     return flip, ops, mag
@@ -693,24 +689,3 @@ def pack_spec(packing_cfg, patch_size: int, num_prefix: int) -> PackSpec:
     return PackSpec(tokens=packing_cfg.tokens_per_microbatch, max_images=packing_cfg.max_images,
                     max_patches=packing_cfg.max_patches, num_prefix=num_prefix,
                     patch_size=patch_size, min_patches=packing_cfg.min_patches)
-
-
-def build_native_datasets(data_cfg, seed: int) -> tuple[NativeDataset, NativeDataset]:
-    """(train, held-out) ``NativeDataset``s for ``data_cfg.kind`` at data.resolution=native:
-    shapes drawn at varied sizes and aspect ratios, an ImageFolder or WebDataset shards read
-    at their images' own sizes (decoded per step: data.preload does not apply)."""
-    kind = data_cfg.kind
-    if kind == "shapes":
-        from vitgraph.data.shapes import build_shapes
-        return build_shapes(data_cfg, seed, native=True)
-    if kind == "imagefolder":
-        from vitgraph.data.imagefolder import build_imagefolder_native
-        return build_imagefolder_native(data_cfg, seed)
-    if kind == "webdataset":
-        from vitgraph.data.shards import build_webdataset_native
-        train, val = build_webdataset_native(data_cfg, seed)
-        train.images.shuffle_shards = getattr(data_cfg, "shuffle_shards", 4)
-        return train, val
-    raise DataError(f"unknown data.kind {kind!r} (expected 'shapes', 'imagefolder' or "
-                    "'webdataset')")
-

@@ -32,7 +32,11 @@ import os
 import tempfile
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
+
+from vitgraph.data.dataset import DataError, ImageDataset
+from vitgraph.data.native import ArrayImages, NativeDataset
 
 VERSION = 1
 CHUNK = 500
@@ -587,10 +591,6 @@ def build_shapes(data_cfg, seed: int, native: bool = False):
     """(train, held-out) datasets of the shapes task: ``data_cfg.seed``'s data, or run seed
     ``seed``'s when that is None. ImageDatasets of render_size squares, or with ``native``
     NativeDatasets (each image its own size and aspect ratio, ``native_sizes``)."""
-    import torch
-
-    from vitgraph.data.dataset import DataError, ImageDataset
-
     if not 1 <= data_cfg.num_classes <= len(CLASSES):
         raise DataError(f"data.num_classes={data_cfg.num_classes}: the shapes data has "
                         f"{len(CLASSES)} classes ({', '.join(CLASSES)})")
@@ -613,7 +613,6 @@ def build_shapes(data_cfg, seed: int, native: bool = False):
         labels = torch.from_numpy(labels.astype(np.int64))
         pixels = torch.from_numpy(np.ascontiguousarray(arrays[0]))
         if native:
-            from vitgraph.data.native import ArrayImages, NativeDataset
             images = ArrayImages(pixels, arrays[1], data_cfg.workers, keep_rows=True)
             out.append(NativeDataset(images, labels, CLASSES[:data_cfg.num_classes], captions,
                                      caption_variants=variants))

@@ -26,7 +26,8 @@ import torch
 
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import (EncodedImages, decode_full, decode_image, for_device,
-                                  resolve_decode)
+                                  read_size, resolve_decode)
+from vitgraph.data.native import NativeDataset, ShardMembers, read_sizes
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 INDEX = "index.json"
@@ -197,7 +198,6 @@ def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
 # ---------------------------------------------------------------- native resolution
 
 def _member_size(path: str, offset: int, size: int) -> tuple[int, int]:
-    from vitgraph.data.decode import read_size
     where = f"{path} @{offset}"
     try:
         with open(path, "rb") as f:
@@ -234,7 +234,6 @@ def member_sizes(paths: list[str], entries: list[tuple[int, int, int]], hws: lis
                 return sizes
         except Exception:  # truncated or foreign: read the headers again
             pass
-    from vitgraph.data.native import read_sizes
     sizes, _ = read_sizes(len(entries), lambda i: _member_size(paths[entries[i][0]],
                                                                *entries[i][1:]), workers)
     if cache:
@@ -252,7 +251,6 @@ def read_shard_split_native(root: str, split: str, workers: int, decode: str,
     """One split of shards at native resolution: each sample's size from index.json, the
     cache or its image header; samples whose header does not read are left out (counted in
     the log)."""
-    from vitgraph.data.native import NativeDataset, ShardMembers
 
     paths, entries, labels, captions, hws, classes = _split_samples(root, split, classes)
     sizes = member_sizes(paths, entries, hws, workers, _sizes_cache(cache_dir, paths, split))

@@ -6,12 +6,13 @@ pipeline-parallel layers come from megatron-core, and the weights are drawn
 layout-independently (vitgraph.models.init). Precision, data parallelism and graphs are
 applied afterwards, from outside (vitgraph.parallel.setup.parallelize).
 
-``d`` below is the rank's place in the process groups (vitgraph.parallel.setup.Dist): tp,
+``d`` below is the rank's place in the process groups (vitgraph.parallel.dist.Dist): tp,
 pp, vpp, its ranks and device. Nothing here reads the raw config or the environment.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -53,9 +54,34 @@ def token_multiple(sequence_parallel_tp: int, fp8: bool, micro_batch_size: int) 
     return multiple
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """train.recompute resolved: megatron-core's recompute_granularity (None: off),
+    recompute_method and recompute_num_layers (full), recompute_modules (selective)."""
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        return self.granularity or "none"
+
+
+def recompute_plan(t, layers_per_chunk: int) -> Recompute:
+    """train.recompute* (``t``: the train: section) for model chunks of ``layers_per_chunk``
+    encoder layers (one pipeline stage's, or one virtual stage's)."""
+    if t.recompute == "none":
+        return Recompute()
+    if t.recompute == "selective":
+        return Recompute("selective", modules=tuple(t.recompute_modules or ("core_attn",)))
+    n = t.recompute_layers or (1 if t.recompute_method == "uniform" else layers_per_chunk)
+    return Recompute("full", t.recompute_method, min(n, layers_per_chunk))
+
+
 def recompute_kwargs(recompute) -> dict:
-    """TransformerConfig's activation-recompute fields from the plan's (vitgraph.plan.Recompute;
-    None: off). Megatron's TransformerBlock and layers then checkpoint themselves, in the
+    """TransformerConfig's activation-recompute fields from the plan's (``Recompute``; None:
+    off). Megatron's TransformerBlock and layers then checkpoint themselves, in the
     same way under every graph scope and pipeline layout."""
     if recompute is None or recompute.granularity is None:
         return {}

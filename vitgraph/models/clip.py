@@ -28,6 +28,10 @@ from vitgraph.models.specs import get_layer_spec
 from vitgraph.models.text import TextTransformer
 from vitgraph.models.vit import ViT
 
+# task.lock_image (LiT): the parameter names of the pair's image tower, frozen by
+# vitgraph.models.freeze; the logit scale and bias and the text tower train
+IMAGE_TOWER = "visual.*"
+
 MAX_LOGIT_SCALE = math.log(100.0)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vitgraph.data.loader import MEAN, STD
 from vitgraph.data.packing import PackSpec
 
 ATTENTIONS = ("thd", "padded")
@@ -288,7 +289,6 @@ def pool_attention(pool, hidden: torch.Tensor, seg: torch.Tensor, coords: torch.
 def normalise(patches: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
     """uint8 patch rows [T, 3 p^2] ((c, y, x) order) -> normalised as the fixed path's images
     ((v / 255 - mean) / std per channel) on ``device``."""
-    from vitgraph.data.loader import MEAN, STD
     x = patches.to(device, non_blocking=True).float().div_(255.0)
     per = x.shape[-1] // 3
     mean = torch.tensor(MEAN, device=x.device).repeat_interleave(per)

@@ -23,6 +23,8 @@ import types
 
 import torch
 
+from vitgraph.parallel.fsdp import is_dtensor, local
+
 _installed = False
 
 
@@ -142,8 +144,6 @@ def clip_grad_norm(params, max_norm: float, model_parallel_group) -> float:
     (DTensors) are summed over their data-parallel mesh.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-    from vitgraph.parallel.fsdp import is_dtensor, local
     grads = [local(p.grad) for p in params if p.grad is not None]
     counted = [p.grad for p in params
                if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]

@@ -19,47 +19,23 @@ import datetime
 import logging
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
 
-from vitgraph.config import Config, ConfigError, check_layout, graph_constraints
-from vitgraph.graphs.auto import GraphPath, choose_graphs
-from vitgraph.models.specs import resolve_spec
+from vitgraph.config import ConfigError, ParallelConfig
+from vitgraph.graphs import GraphManager, StepGraphs, use_side_stream
+from vitgraph.graphs.off import NoGraphs
+from vitgraph.models.freeze import freeze as freeze_params
 from vitgraph.parallel import cpu_shims, fsdp
+from vitgraph.parallel.dist import Dist
+from vitgraph.plan import Plan
 
 log = logging.getLogger("vitgraph")
-
-
-@dataclass
-class Dist:
-    rank: int
-    world: int
-    local_rank: int
-    device: torch.device
-    tp: int
-    pp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    vpp: int = 1
-    graphs: GraphPath | None = None  # the graph path chosen for this run (graphs.enabled: auto)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
 
 
 def _free_port() -> int:
@@ -68,9 +44,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(cfg: Config) -> Dist:
-    """torchrun's environment, or a single process when launched without torchrun."""
-    cuda = torch.cuda.is_available()
+def launched_world_size() -> int:
+    """torchrun's WORLD_SIZE; 1 for a plain ``vitgraph train``."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(plan: Plan) -> Dist:
+    """The process groups of the plan's layout: torchrun's environment, or a single process
+    when launched without torchrun."""
+    cuda = plan.cuda
     if not cuda:
         cpu_shims.install()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -78,14 +60,14 @@ def init_distributed(cfg: Config) -> Dist:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    check_layout(cfg, world)
+    if world != plan.world:
+        raise ConfigError(f"the run was planned for a world of {plan.world} processes; "
+                          f"WORLD_SIZE is {world}")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    p = cfg.parallel
-    path = choose_graphs(cfg.graphs, cuda, cfg.train.precision, cfg.train.fp8_recipe, p.tp,
-                         **graph_constraints(cfg))
-    graphs = path.config
+    p = plan.parallel
+    graphs = plan.graphs.config
     if cuda:
-        check_precision(cfg, local_rank)
+        check_precision(plan.fp8_recipe, local_rank)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         if graphs.enabled and not p.nccl_graph_register:
@@ -94,7 +76,7 @@ def init_distributed(cfg: Config) -> Dist:
             os.environ["NCCL_GRAPH_REGISTER"] = "0"
     else:
         device = torch.device("cpu")
-    timeout = collective_timeout(cfg)
+    timeout = collective_timeout(p)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 timeout=timeout, device_id=device if cuda else None)
@@ -106,23 +88,22 @@ def init_distributed(cfg: Config) -> Dist:
                                  distributed_timeout_minutes=p.timeout_minutes)
     d = Dist(rank, world, local_rank, device, p.tp, p.pp, ps.get_data_parallel_world_size(),
              ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-             ps.get_data_parallel_rank(), vpp=p.vpp, graphs=path)
+             ps.get_data_parallel_rank(), vpp=p.vpp)
     if cuda and graphs.enabled:
         # graphs capture on the training stream, which must not be the legacy default stream
         # (megatron DDP's grad-accumulation nodes remember the stream they were made on)
-        from vitgraph.graphs import use_side_stream
         use_side_stream(device)
-    seed_everything(cfg.train.seed, d, graphs=graphs.enabled,
-                    te=resolve_spec(cfg.model.spec) == "te")
+    seed_everything(plan.train.seed, d, graphs=graphs.enabled, te=plan.spec == "te")
     return d
 
 
-def check_precision(cfg: Config, local_rank: int) -> None:
-    """What the GPU cannot do is a config error, before any process group exists."""
-    if cfg.train.precision != "fp8":
+def check_precision(fp8_recipe: str | None, local_rank: int) -> None:
+    """What the GPU cannot do is a config error, before any process group exists
+    (``fp8_recipe``: the plan's; None without FP8)."""
+    if fp8_recipe is None:
         return
     major, minor = torch.cuda.get_device_capability(local_rank)
-    if cfg.train.fp8_recipe == "mxfp8" and major < 10:
+    if fp8_recipe == "mxfp8" and major < 10:
         raise ConfigError(f"train.fp8_recipe='mxfp8': MXFP8 needs a Blackwell GPU (compute "
                           f"capability 10.x); this one is {major}.{minor}. Use current or delayed")
     if (major, minor) < (8, 9):
@@ -172,10 +153,10 @@ def destroy_model_parallel() -> None:
             pass
 
 
-def collective_timeout(cfg: Config) -> datetime.timedelta:
+def collective_timeout(p: ParallelConfig) -> datetime.timedelta:
     """parallel.timeout_minutes: every process group of a run gets it (torch's default for a
     new gloo group is 30 minutes, whatever the default group has)."""
-    return datetime.timedelta(minutes=cfg.parallel.timeout_minutes)
+    return datetime.timedelta(minutes=p.timeout_minutes)
 
 
 def shutdown(failed: bool = False) -> None:
@@ -197,23 +178,6 @@ def shutdown(failed: bool = False) -> None:
     dist.destroy_process_group()
 
 
-def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:
-    """How stages exchange activations and gradients (megatron's p2p settings), the same on
-    CPU (gloo) and GPU (NCCL).
-
-    Batched: one batch_isend_irecv per exchange. Not for two stages with interleaving: there
-    each rank's previous and next stage are the same peer, and one exchange sends it both the
-    activation (to next) and the gradient (to prev). Batched sends to one peer are matched to
-    its receives in posting order, which megatron's batch lists differently on the two sides,
-    so activation and gradient swap, silently (same shape; on two H200s the gradient norm
-    read 1e12). Unbatched, megatron sends one direction through another communicator.
-    ``overlap`` (interleaved only): posted one by one and overlapped with compute.
-    No device-wide sync after a batch: megatron's workaround for old PyTorch, and a sync
-    cannot be captured in a whole-step graph."""
-    batch = not overlap and not (pp == 2 and vpp > 1)
-    return dict(batch_p2p_comm=batch, overlap_p2p_comm=overlap, batch_p2p_sync=False)
-
-
 ALIGN_BYTES = 256
 
 
@@ -231,21 +195,18 @@ def misaligned(wrapped: list, align: int = ALIGN_BYTES) -> list[str]:
     return out
 
 
-def parallelize(chunks: list, plan, p, d: Dist, freeze: list | None = None):
-    """Apply precision, data parallelism and graphs (in that order) to every chunk, as the
-    plan (vitgraph.plan.Plan: its graph path) and the ``parallel:`` section ``p`` say.
-    ``freeze``: (config key, pattern) rules (vitgraph.train.optim.freeze_rules) whose
-    parameters are frozen first, so DDP, the optimizer and the graphs leave them out.
+def parallelize(chunks: list, plan: Plan, d: Dist):
+    """Apply frozen parameters, precision, data parallelism and graphs (in that order) to
+    every chunk, as the plan says (its graph path, ``freeze`` rules and ``parallel:``
+    section). Frozen parameters go first, so DDP, the optimizer and the graphs leave them out.
     Returns (wrapped chunks, graphs: a graph manager, or NoGraphs)."""
-    if freeze:
-        from vitgraph.train.optim import freeze as freeze_params
-        n = freeze_params(chunks, freeze, d.pp_rank, d.pp)
+    p = plan.parallel
+    if plan.freeze:
+        n = freeze_params(chunks, plan.freeze, d.pp_rank, d.pp)
         log.info("frozen: %d parameter tensors on this rank (%s)", n,
-                 ", ".join(f"{k}={pat}" for k, pat in freeze))
+                 ", ".join(f"{k}={pat}" for k, pat in plan.freeze))
     wrapped = list(chunks)
     if d.cuda:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer.module import Float16Module
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=p.grad_reduce_in_fp32, overlap_grad_reduce=p.overlap_grad_reduce,
             use_distributed_optimizer=p.distributed_optimizer,
@@ -271,13 +232,10 @@ def parallelize(chunks: list, plan, p, d: Dist, freeze: list | None = None):
                         ", ".join(bad[:3]))
     elif p.fsdp:  # on CPU too: the same sharding and reductions over gloo
         wrapped = [fsdp.wrap(chunk) for chunk in wrapped]
-    from vitgraph.graphs.off import NoGraphs
     graphs = NoGraphs()
     if plan.graphs.scope == "step":
-        from vitgraph.graphs import StepGraphs
         graphs = StepGraphs(plan.graphs.config, barrier=dist.barrier)
     elif plan.graphs.enabled:
-        from vitgraph.graphs import GraphManager
         graphs = GraphManager.for_model(wrapped, plan.graphs.config, pipeline_size=d.pp)
     return wrapped, graphs
 
@@ -287,5 +245,4 @@ def for_inference(chunks: list) -> list:
     as ``parallelize`` casts them; no data parallelism, no graphs."""
     if not any(c.config.bf16 for c in chunks):
         return list(chunks)
-    from megatron.core.transformer.module import Float16Module
     return [Float16Module(c.config, c) for c in chunks]

@@ -1,16 +1,16 @@
 """What the one training loop trains: a task supplies the model, the batch and the loss
 (base.py has the interface)."""
 from vitgraph.tasks.base import Task
+from vitgraph.tasks.classification import ClassificationTask
+from vitgraph.tasks.contrastive import ContrastiveTask
 
 
-def make_task(plan, cfg, d, total_steps: int | None = None) -> Task:
+def make_task(plan, d, total_steps: int | None = None) -> Task:
     """The task of the plan (vitgraph.plan.Plan: task.kind resolved) on this rank, for a run
     of ``total_steps`` (None: evaluation only)."""
     if plan.task == "classification":
-        from vitgraph.tasks.classification import ClassificationTask
-        return ClassificationTask(plan, cfg, d, total_steps)
-    from vitgraph.tasks.contrastive import ContrastiveTask
-    return ContrastiveTask(plan, cfg, d, total_steps)
+        return ClassificationTask(plan, d, total_steps)
+    return ContrastiveTask(plan, d, total_steps)
 
 
-__all__ = ["Task", "make_task"]
+__all__ = ["ClassificationTask", "ContrastiveTask", "Task", "make_task"]

@@ -6,8 +6,9 @@ supplies, through this interface only:
 
 * ``attach(train, val)``: anything it adds to the datasets (the contrastive task tokenizes the
   captions once, so every microbatch carries its token ids);
-* ``build_model()``: this rank's model chunks (one per virtual pipeline stage), as the plan
-  (vitgraph.plan.Plan: architecture, layers, precision, padding) says;
+* ``build_model(with_init_from=True)``: this rank's model chunks (one per virtual pipeline
+  stage), as the plan (vitgraph.plan.Plan: architecture, layers, precision, padding) says,
+  with model.init_from's weights (False: the caller loads others, or none);
 * ``prepare(raw, key, device, first_stage)``: one microbatch as the model takes it, on the
   device (augmented when ``key`` is a training (step, microbatch) pair);
 * ``forward(model, inputs)`` and ``loss(inputs, output) -> (loss, stats)``, where stats is
@@ -25,8 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vitgraph.config import Config
-from vitgraph.parallel.setup import Dist
+from vitgraph.parallel.dist import Dist
 from vitgraph.plan import Plan
 
 
@@ -37,15 +37,15 @@ class Task:
     # every rank: the sums are reduced over the world)
     extra_stats: tuple[str, ...] = ()
 
-    def __init__(self, plan: Plan, cfg: Config, d: Dist, total_steps: int | None = None):
-        self.plan, self.cfg, self.d = plan, cfg, d
+    def __init__(self, plan: Plan, d: Dist, total_steps: int | None = None):
+        self.plan, self.d = plan, d
         self.num_classes = 0
         self.total_steps = total_steps  # the run's length (None: evaluation only)
 
     def attach(self, train_set, val_set) -> None:
-        self.num_classes = self.cfg.model.num_classes or len(train_set.classes)
+        self.num_classes = self.plan.model.num_classes or len(train_set.classes)
 
-    def build_model(self) -> list:  # pragma: no cover - interface
+    def build_model(self, with_init_from: bool = True) -> list:  # pragma: no cover - interface
         raise NotImplementedError
 
     # what the log and the schedule need to know about the model

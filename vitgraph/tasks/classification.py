@@ -15,18 +15,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vitgraph.convert import init_from
 from vitgraph.data.augment import BatchAugment, prepare_batch
+from vitgraph.data.native import pack_inputs
 from vitgraph.models import packed as pk
 from vitgraph.models.build import build_model
 from vitgraph.models.vit import vit_flops_per_image, vit_flops_per_token
 from vitgraph.tasks.base import Task, reduce_stats, stats
+from vitgraph.tasks.distill import build_teacher, distill_loss
 
 
 class ClassificationTask(Task):
     name = "classification"
 
-    def __init__(self, plan, cfg, d, total_steps=None):
-        super().__init__(plan, cfg, d, total_steps)
+    def __init__(self, plan, d, total_steps=None):
+        super().__init__(plan, d, total_steps)
         self.arch = plan.arch
         self.image_size = self.arch.image_size
         self.augment = None
@@ -37,24 +40,28 @@ class ClassificationTask(Task):
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
-        cfg = self.cfg
-        if cfg.data.augment.enabled and self.pack is None:
-            self.augment = BatchAugment(cfg.data.augment, self.image_size, self.num_classes,
-                                        cfg.train.label_smoothing, cfg.train.seed, self.d.dp_rank)
-        if cfg.train.distill.teacher:
-            from vitgraph.tasks.distill import build_teacher
+        plan = self.plan
+        if plan.data.augment.enabled and self.pack is None:
+            self.augment = BatchAugment(plan.data.augment, self.image_size, self.num_classes,
+                                        plan.train.label_smoothing, plan.train.seed,
+                                        self.d.dp_rank)
+        if plan.distill is not None:
             self.extra_stats = ("loss_task", "loss_distill")
-            self.teacher = build_teacher(cfg, self.plan, self.d, self.num_classes)
+            self.teacher = build_teacher(plan.distill, plan, self.d, self.num_classes)
 
-    def build_model(self) -> list:
-        chunks = build_model(self.plan, self.cfg.model, self.d, self.num_classes,
-                             self.cfg.train.seed)
-        classes = self.cfg.model.num_classes or self.num_classes
+    def build_model(self, with_init_from: bool = True) -> list:
+        chunks = build_model(self.plan, self.plan.model, self.d, self.num_classes,
+                             self.plan.train.seed)
+        classes = self.plan.model.num_classes or self.num_classes
         if self.pack is not None:  # images of every size: FLOPs are counted per pack
             self.flops_per_token = vit_flops_per_token(self.arch, chunks[0].num_prefix, classes)
         else:
             self.flops_per_sample = vit_flops_per_image(self.arch, chunks[0].num_prefix,
                                                         self.num_classes)
+        m = self.plan.model
+        if m.init_from and with_init_from:
+            for chunk in chunks:
+                init_from(chunk, m.init_from, m.init_format)
         return chunks
 
     def pack_flops(self, raw) -> float:
@@ -65,22 +72,22 @@ class ClassificationTask(Task):
         m = chunks[0]
         if self.pack is not None:
             k = self.pack
-            return (f"{self.cfg.model.name}, spec {self.plan.spec}, "
+            return (f"{self.plan.model.name}, spec {self.plan.spec}, "
                     f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this "
                     f"rank, packs of {m.padded_len(1)} tokens ({m.packed_attention}: at most "
                     f"{k.max_images} images of <= {k.max_patches} patches + {k.num_prefix} "
                     f"prefix tokens), {self.flops_per_token[0] / 1e9:.3f} GFLOP/token + "
                     f"{self.flops_per_token[1] / 1e6:.3f} MFLOP/token pair in attention (train)")
         padded = m.padded_len(micro_batch)
-        return (f"{self.cfg.model.name}, spec {self.plan.spec}, "
+        return (f"{self.plan.model.name}, spec {self.plan.spec}, "
                 f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this rank, "
                 f"{m.seq_len} tokens"
                 + (f" (padded to {padded}, masked)" if padded > m.seq_len else "")
                 + f", {self.flops_per_sample / 1e9:.2f} GFLOP/image (train)"
-                + (self._distill_line() if self.cfg.train.distill.teacher else ""))
+                + (self._distill_line() if self.plan.distill is not None else ""))
 
     def _distill_line(self) -> str:
-        dt = self.cfg.train.distill
+        dt = self.plan.distill
         who = self.teacher.describe if self.teacher is not None else dt.teacher
         where = ("" if self.teacher is None else
                  ", forward graphs" if self.teacher.graphs is not None else ", eager")
@@ -92,7 +99,7 @@ class ClassificationTask(Task):
 
     def prepare(self, raw, key, device, first_stage):
         if self.pack is not None:
-            return prepare_pack(raw, key, device, first_stage, self.cfg, self.d)
+            return prepare_pack(raw, key, device, first_stage, self.plan, self.d)
         images, labels = raw[0], raw[1]
         # the loss's stage distills: it makes the images too (the same augmentation: keyed)
         distill = self.teacher is not None and key is not None and self.d.is_last_stage
@@ -139,12 +146,11 @@ class ClassificationTask(Task):
         valid = labels >= 0  # -1: a sample that only fills an eval microbatch
         n = valid.sum()
         # mixed targets carry the label smoothing already
-        smoothing = 0.0 if targets.is_floating_point() else self.cfg.train.label_smoothing
+        smoothing = 0.0 if targets.is_floating_point() else self.plan.train.label_smoothing
         loss = F.cross_entropy(output, targets, label_smoothing=smoothing, ignore_index=-1)
         correct = ((predicted.argmax(-1) == labels) & valid).sum()
         if len(inputs) > 3:  # distillation: the teacher's logits of these images
-            from vitgraph.tasks.distill import distill_loss
-            dt = self.cfg.train.distill
+            dt = self.plan.distill
             dl = distill_loss(dt.kind, student, inputs[3], dt.temperature, valid)
             task_loss, loss = loss.detach(), (1 - dt.weight) * loss + dt.weight * dl
             return loss, stats(loss.detach().clone() * n, correct, n, task_loss * n,
@@ -157,7 +163,7 @@ class ClassificationTask(Task):
         output = output.float()
         valid = labels >= 0
         n = valid.sum()
-        per = F.cross_entropy(output, labels, label_smoothing=self.cfg.train.label_smoothing,
+        per = F.cross_entropy(output, labels, label_smoothing=self.plan.train.label_smoothing,
                               ignore_index=-1, reduction="none")
         loss = per.sum() / n.clamp(min=1)
         correct = ((output.argmax(-1) == labels) & valid).sum()
@@ -173,20 +179,15 @@ class ClassificationTask(Task):
                 "eval_images": int(n)}
 
 
-def prepare_pack(raw, key, device, first_stage: bool, cfg, d) -> tuple:
+def prepare_pack(raw, key, device, first_stage: bool, plan, d) -> tuple:
     """One raw pack (patches, coords, seg, cu_seqlens, labels, ...) as the packed model takes
     it on ``device``: (x or None on a later pipeline stage, coords, seg, cu_seqlens, labels,
     ...). The patches are normalised and, for a training ``key``, augmented per image by
-    vitgraph.data.native.pack_inputs where it exists (plain normalising otherwise)."""
-    try:
-        from vitgraph.data.native import pack_inputs
-    except ImportError:
-        pack_inputs = None
-    if first_stage and pack_inputs is not None:
-        out = tuple(pack_inputs(raw[:5], device, cfg.data.augment, key, cfg.train.seed,
+    vitgraph.data.native.pack_inputs."""
+    if first_stage:
+        out = tuple(pack_inputs(raw[:5], device, plan.data.augment, key, plan.train.seed,
                                 d.dp_rank))[:5]
     else:  # a later stage needs the layout only
         coords, seg, cu, labels = (t.to(device, non_blocking=True) for t in raw[1:5])
-        x = pk.normalise(raw[0], device) if first_stage else None
-        out = (x, coords.long(), seg.long(), cu.int(), labels)
+        out = (None, coords.long(), seg.long(), cu.int(), labels)
     return (*out, *(t.to(device, non_blocking=True) for t in raw[5:]))

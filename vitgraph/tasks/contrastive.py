@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from vitgraph.convert import init_from
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.data import DataError
 from vitgraph.models import packed as pk
@@ -31,15 +32,11 @@ from vitgraph.models.build import transformer_config
 from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
 from vitgraph.models.vit import unwrap
 from vitgraph.tasks.base import Task, stats
+from vitgraph.tasks.classification import prepare_pack
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
                                                  zero_shot_top1)
 from vitgraph.text import make_tokenizer
-
-
-# task.lock_image (LiT): the parameter names of the pair's image tower (vitgraph.models.clip),
-# frozen by vitgraph.train.optim.freeze; the logit scale and bias and the text tower train
-IMAGE_TOWER = "visual.*"
 
 
 def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
@@ -75,17 +72,13 @@ class ContrastiveTask(Task):
     name = "contrastive"
     fill_label = -2  # -1 is an unlabelled pair (WebDataset txt without cls): kept for retrieval
 
-    def __init__(self, plan, cfg, d, total_steps=None):
-        super().__init__(plan, cfg, d, total_steps)
+    def __init__(self, plan, d, total_steps=None):
+        super().__init__(plan, d, total_steps)
         self.arch = plan.pair
         self.image_size = self.arch.vision.image_size
-        self.context_length = cfg.task.context_length or self.arch.text.context_length
-        self.tokenizer = make_tokenizer(cfg.task.tokenizer, self.arch.text.vocab_size,
-                                        self.context_length)
-        loss = cfg.task.loss
-        if loss == "auto":
-            loss = "siglip" if self.arch.init_logit_bias is not None else "clip"
-        self.loss_name = loss
+        self.context_length = plan.contrastive.context_length
+        self.tokenizer = None  # made by attach
+        self.loss_name = plan.contrastive.loss
         self.augment = None
         self.classes: list[str] = []
         self.pack = getattr(plan, "pack", None)
@@ -94,10 +87,12 @@ class ContrastiveTask(Task):
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
+        self.tokenizer = make_tokenizer(self.plan.contrastive.tokenizer,
+                                        self.arch.text.vocab_size, self.context_length)
         self.classes = list(val_set.classes)
         for name, ds in (("training", train_set), ("held-out", val_set)):
             if ds.captions is None:
-                raise DataError(f"data.kind={self.cfg.data.kind}: the {name} images have no "
+                raise DataError(f"data.kind={self.plan.data.kind}: the {name} images have no "
                                 "captions; task.kind=contrastive needs image-text pairs (the "
                                 "shapes data or WebDataset jpg+txt shards)")
             if ds.tokens is None and ds.caption_variants is not None:
@@ -106,22 +101,22 @@ class ContrastiveTask(Task):
                                          for i in range(n)], dim=1)  # [N, variants, s]
             elif ds.tokens is None:
                 ds.tokens = self.tokenizer(ds.captions)
-        a = self.cfg.data.augment
+        a = self.plan.data.augment
         if a.enabled and self.pack is None:  # crops, flips, RandAugment, erasing (no mixing)
             self.augment = BatchAugment(a, self.image_size, self.num_classes, 0.0,
-                                        self.cfg.train.seed, self.d.dp_rank)
+                                        self.plan.train.seed, self.d.dp_rank)
 
-    def build_model(self) -> list:
+    def build_model(self, with_init_from: bool = True) -> list:
         plan, d = self.plan, self.d
         bias = None
         if self.loss_name == "siglip" and self.arch.init_logit_bias is None:
             bias = -10.0  # SigLIP's initial bias, for a pair registered without one
-        model = build_clip(self.arch, transformer_config(plan, self.cfg.model, d), plan.spec,
-                           seed=self.cfg.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
+        model = build_clip(self.arch, transformer_config(plan, plan.model, d), plan.spec,
+                           seed=plan.train.seed, tp_rank=d.tp_rank, tp_size=d.tp,
                            context_length=self.context_length,
                            pad_to=plan.token_padding if plan.pads else None,
                            init_logit_bias=bias, fused_norm=plan.fused_norm,
-                           drop_path_rate=self.cfg.model.drop_path_rate)
+                           drop_path_rate=plan.model.drop_path_rate)
         if self.pack is not None:  # the image tower takes packs (its text tower is as ever)
             model.visual.use_pack(self.pack, "thd", getattr(plan, "pos_interp", "bicubic"))
         v, t = self.arch.vision, self.arch.text
@@ -133,6 +128,8 @@ class ContrastiveTask(Task):
         else:
             self.flops_per_sample = _tower_flops(n_image, model.visual.seq_len, v.num_layers,
                                                  v.hidden_size) + self.text_flops
+        if plan.model.init_from and with_init_from:
+            init_from(model, plan.model.init_from, plan.model.init_format)
         return [model]
 
     def pack_flops(self, raw) -> float:
@@ -144,7 +141,7 @@ class ContrastiveTask(Task):
 
     def describe(self, chunks, micro_batch):
         m = chunks[0]
-        head = (f"{self.cfg.model.name} ({self.loss_name} loss), spec "
+        head = (f"{self.plan.model.name} ({self.loss_name} loss), spec "
                 f"{self.plan.spec}, "
                 f"{sum(p.numel() for p in m.parameters())} params on this rank, ")
         if self.pack is not None:
@@ -161,7 +158,7 @@ class ContrastiveTask(Task):
     def caption_dropout(self, key) -> float:
         """data.caption_dropout at training step ``key[0]`` (0-based): 0 before
         data.caption_dropout_start of the run's steps, and for eval (key None)."""
-        d = self.cfg.data
+        d = self.plan.data
         start = int(d.caption_dropout_start * (self.total_steps or 0))
         return d.caption_dropout if key is not None and key[0] >= start else 0.0
 
@@ -170,7 +167,7 @@ class ContrastiveTask(Task):
         pack's slots (its global batch counts packs), else the microbatch's pairs."""
         if tokens.ndim != 3:
             return tokens
-        t = self.cfg.train
+        t = self.plan.train
         per = pairs_per_microbatch or 1  # pairs per unit of train.global_batch_size
         per_rank = t.global_batch_size // self.d.dp  # this rank's share of the step
         offset = (self.d.dp_rank * per_rank * per + key[1] * len(tokens)) if key else 0
@@ -181,9 +178,8 @@ class ContrastiveTask(Task):
     def _prepare_pack(self, raw, key, device, first_stage):
         """(x, coords, seg, cu_seqlens, tokens, labels) of one pack on the device; an empty
         slot's label is fill_label (no image: out of the loss and the metrics)."""
-        from vitgraph.tasks.classification import prepare_pack
         tokens = self._draw_captions(raw[5], key, self.pack.max_images)
-        x, coords, seg, cu, labels = prepare_pack(raw[:5], key, device, first_stage, self.cfg,
+        x, coords, seg, cu, labels = prepare_pack(raw[:5], key, device, first_stage, self.plan,
                                                   self.d)
         labels = torch.where(pk.slot_valid(seg, self.pack.max_images), labels, self.fill_label)
         return x, coords, seg, cu, tokens.to(device, non_blocking=True), labels
@@ -266,7 +262,7 @@ class ContrastiveTask(Task):
         out = {"eval_images": len(labels)}
         labelled = labels >= 0
         if self.classes and labelled.any():  # zero-shot over the labelled pairs
-            templates = self.cfg.task.templates or TEMPLATES
+            templates = self.plan.contrastive.templates or TEMPLATES
             classes = class_embeddings(encode, self.tokenizer, self.classes, templates)
             out["eval_zero_shot_top1"] = zero_shot_top1(image[labelled], classes,
                                                         labels[labelled])

@@ -27,9 +27,19 @@ import dataclasses
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+import yaml
+from megatron.core import parallel_state as ps
 
-from vitgraph.config import ConfigError
+from vitgraph.config import ConfigError, ModelConfig, _build
+from vitgraph.convert import ConvertError, init_from, load_into_model, read_checkpoint_weights
+from vitgraph.convert.checkpoints import checkpoint_dir
+from vitgraph.graphs.backend import default_backend
+from vitgraph.models.build import build_model, use_fused_norm
+from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_pos_interp
+from vitgraph.models.specs import resolve_spec
+from vitgraph.models.vit import sequence_length
 
 TIMM = "timm:"
 KEY = "train.distill.teacher"
@@ -150,12 +160,12 @@ def _capturing() -> bool:
 
 # ---------------------------------------------------------------- building the teacher
 
-def build_teacher(cfg, plan, d, num_classes: int, graphs: bool | None = None):
-    """The run's teacher (see the module docstring) for a student of ``num_classes`` classes
-    on this rank, or None on a rank that holds no last pipeline stage (no loss there); every
+def build_teacher(distill, plan, d, num_classes: int, graphs: bool | None = None):
+    """The teacher of ``distill`` (train.distill, the plan's; see the module docstring) for a
+    student of ``num_classes`` classes on this rank, or None on a rank that holds no last pipeline stage (no loss there); every
     rank must call it (under tp / pp it makes a process group). ``graphs``: replay its
     forward from CUDA graphs (default: on a GPU)."""
-    src = cfg.train.distill.teacher
+    src = distill.teacher
     if not src.startswith(TIMM) and (d.tp > 1 or d.pp > 1):
         single_rank_group()  # collective: before the ranks part
     if not d.is_last_stage:
@@ -163,18 +173,16 @@ def build_teacher(cfg, plan, d, num_classes: int, graphs: bool | None = None):
     # the teacher's (discarded) random init must not move the run's random streams
     devices = [d.device] if d.cuda else []
     with torch.random.fork_rng(devices=devices):
-        module, dtype, size, what = _build(cfg, plan, d, num_classes)
+        module, dtype, size, what = _teacher_module(distill, plan, d, num_classes)
     if graphs is None:
         graphs = d.cuda
     backend = None
     if graphs:
-        from vitgraph.graphs.backend import default_backend
         backend = default_backend()
     return Teacher(module, num_classes, dtype, size, what, backend)
 
 
-def _build(cfg, plan, d, num_classes: int):
-    dt = cfg.train.distill
+def _teacher_module(dt, plan, d, num_classes: int):
     src, device = dt.teacher, d.device
     if src.startswith(TIMM):
         module, size, what = _timm_teacher(src[len(TIMM):], num_classes, plan.arch.image_size)
@@ -188,7 +196,6 @@ def _build(cfg, plan, d, num_classes: int):
             if not dt.model:
                 raise ConfigError(f"{KEY}={src!r}: a weights file needs train.distill.model "
                                   f"(its architecture, a registry name: `vitgraph models`)")
-            from vitgraph.config import ModelConfig
             module, size, what = _vitgraph_teacher(ModelConfig(name=dt.model), plan, d,
                                                    num_classes, src, weights_file=path)
         else:
@@ -215,12 +222,6 @@ def _timm_teacher(name: str, num_classes: int, image_size: int):
 
 def _run_teacher(run: Path, plan, d, num_classes: int):
     """A vitgraph run directory: its model section and newest complete checkpoint."""
-    import yaml
-
-    from vitgraph.config import ModelConfig, _build
-    from vitgraph.convert import ConvertError, read_checkpoint_weights
-    from vitgraph.models.registry import CLIP_MODELS
-    from vitgraph.train.checkpoint import checkpoint_dir
     src = str(run)
     saved = run / "config.yaml"
     if not saved.is_file():
@@ -250,11 +251,6 @@ def _vitgraph_teacher(mcfg, plan, d, num_classes: int, src: str, weights_file=No
                       state=None, what: str | None = None):
     """A whole single-chunk ViT of ``mcfg`` with the weights of ``weights_file`` (any naming,
     detected as model.init_from does) or of the full vitgraph ``state`` dict."""
-    from vitgraph.convert import ConvertError, init_from, load_into_model
-    from vitgraph.models.build import build_model, use_fused_norm
-    from vitgraph.models.registry import resolve_arch, resolve_pos_interp
-    from vitgraph.models.specs import resolve_spec
-    from vitgraph.models.vit import sequence_length
     try:
         arch = resolve_arch(mcfg)
     except KeyError as e:
@@ -294,7 +290,6 @@ _SINGLE = {}
 
 def single_rank_group():
     """This rank alone as a process group; made once, by every rank together."""
-    import torch.distributed as dist
     world = dist.group.WORLD  # a new world (shut down and set up again): a new group
     if _SINGLE.get("world") is not world:
         _SINGLE.update(world=world, group=dist.new_subgroups(group_size=1)[0])
@@ -310,8 +305,6 @@ def whole_model_groups(d):
     if d.tp == 1 and d.pp == 1:
         yield
         return
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     one, rank = single_rank_group(), dist.get_rank()
     swap = {"_TENSOR_MODEL_PARALLEL_GROUP": one, "_PIPELINE_MODEL_PARALLEL_GROUP": one,
             "_MODEL_PARALLEL_GROUP": one, "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": one,

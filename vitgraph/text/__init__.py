@@ -2,8 +2,9 @@
 vitgraph.models.text). ``byte``: vitgraph's own byte-level one (any tower with >= 259 ids);
 ``bpe``: OpenAI CLIP's BPE from open_clip's packaged vocabulary (towers with its 49,408 ids,
 which pretrained CLIP weights need)."""
-
-BPE_VOCAB_SIZE = 49408
+from vitgraph.text.bpe import VOCAB_SIZE as BPE_VOCAB_SIZE
+from vitgraph.text.bpe import BPETokenizer
+from vitgraph.text.tokenizer import ByteTokenizer
 
 
 def tokenizer_kind(kind: str, vocab_size: int) -> str:
@@ -15,7 +16,5 @@ def tokenizer_kind(kind: str, vocab_size: int) -> str:
 
 def make_tokenizer(kind: str, vocab_size: int, context_length: int):
     if tokenizer_kind(kind, vocab_size) == "bpe":
-        from vitgraph.text.bpe import BPETokenizer
         return BPETokenizer(context_length)
-    from vitgraph.text.tokenizer import ByteTokenizer
     return ByteTokenizer(context_length)

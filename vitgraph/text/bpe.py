@@ -21,8 +21,9 @@ from typing import Sequence
 
 import torch
 
-from vitgraph.text import BPE_VOCAB_SIZE as VOCAB_SIZE
 from vitgraph.text.tokenizer import Tokenizer
+
+VOCAB_SIZE = 49408
 
 SOT, EOT, PAD = VOCAB_SIZE - 2, VOCAB_SIZE - 1, 0
 _NUM_MERGES = VOCAB_SIZE - 2 * 256 - 2  # the file holds more; CLIP used the first 48,894

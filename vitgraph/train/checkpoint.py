@@ -31,37 +31,130 @@ reported with the file named. Pruning to ``keep`` never removes the newest intac
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
-import hashlib
-import json
 import logging
 import os
-import re
 import shutil
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from vitgraph.convert.names import ConvertError
-from vitgraph.parallel.setup import Dist
+from vitgraph.config import CheckpointConfig
+from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
+from vitgraph.convert.checkpoints import CheckpointError, step_dirs, verify, write_manifest
+from vitgraph.convert.export_files import write_classes
+from vitgraph.parallel import fsdp
+from vitgraph.parallel.dist import Dist
+from vitgraph.train.optim import allocate_offloaded_state, offload_pickled_classes
 
 log = logging.getLogger("vitgraph")
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read; the message names the file."""
-
-
 class NoIntactCheckpoint(CheckpointError):
     """Checkpoints exist and every one is damaged: the user decides (exit 2)."""
+
+
+class Checkpointer:
+    """The run's checkpoints (the checkpoint: section): what one holds, when one is due, saving
+    it and resuming from the newest intact one.
+
+    A checkpoint holds, as megatron-core's dist_checkpointing takes it, the model chunks and
+    the optimizer as sharded tensors with global names (any layout can load them), the LR
+    schedule and the data position as common state; with train.ema (``ema``) the EMA of the
+    weights under the model's names prefixed "ema." and its step count. parallel.fsdp
+    (``fsdp``): the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp).
+    ``classes``: the class names an export of the run carries, written beside the
+    checkpoints once (rank 0)."""
+
+    def __init__(self, section: CheckpointConfig, run_dir: Path, total_steps: int, d: Dist,
+                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: bool = False,
+                 classes: list | None = None):
+        self.section, self.dir = section, run_dir / "checkpoints"
+        self.total_steps, self.d, self.fsdp = total_steps, d, fsdp
+        # what a checkpoint holds
+        self.chunks, self.optimizer, self.scheduler = chunks, optimizer, scheduler
+        self.loader, self.ema = loader, ema
+        self.saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
+        if d.rank == 0 and classes is not None:
+            write_classes(run_dir, classes)
+
+    def due(self, step: int) -> bool:
+        """checkpoint.every: a save after ``step`` (the last step's is the run's end's)."""
+        every = self.section.every
+        return bool(every) and step % every == 0 and step != self.total_steps
+
+    def state(self, is_loading: bool = False, ema: bool = True) -> dict:
+        """What a checkpoint holds (see the class); ``ema``: with the EMA, where there is one."""
+        state = self._state(is_loading, ema)
+        return fsdp.to_shards(state) if self.fsdp else state
+
+    def _state(self, is_loading: bool, ema: bool) -> dict:
+        """``state`` before FSDP's DTensors are cut into this rank's pieces."""
+        with fsdp.unsharded_view() if self.fsdp else contextlib.nullcontext():
+            model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
+            extra = {}
+            if self.ema is not None and ema:
+                extra["ema"] = self.ema.sharded_state_dict(model, is_loading)
+            # fully_reshardable: the distributed optimizer's state gathered into per-parameter
+            # tensors named after the model's (megatron's other formats reshard only across dp)
+            optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
+                "distrib_optim_sharding_type": "fully_reshardable",
+                "chained_optim_avoid_prefix": True})
+        return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
+                "loader": self.loader.state_dict(), **extra}
+
+    def save(self, step: int) -> None:
+        """Checkpoint ``step`` (nothing with checkpoint.save=false)."""
+        if not self.section.save:
+            log.info("checkpoint: none saved at step %d (checkpoint.save=false)", step)
+            return
+        path = save(self.dir, step, self.d, self.state(), self.section.keep)
+        self.saved_step = step
+        log.info("checkpoint: %s", path)
+
+    def resume(self) -> int | None:
+        """Load the newest intact checkpoint into the model, optimizer, schedule, data position
+        and EMA; its step, or None where there is none (or checkpoint.resume=false)."""
+        if not self.section.resume:
+            return None
+        path = find_resumable(self.dir, self.d)
+        if path is None:
+            return None
+        with_ema = self.ema is not None and holds_ema(path)
+        allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
+        template = self._state(is_loading=True, ema=with_ema)
+        pieces = fsdp.to_shards(template) if self.fsdp else template
+        with torch.serialization.safe_globals(offload_pickled_classes()):
+            state = load(path, self.d, pieces)
+        if self.fsdp:
+            state = fsdp.restore(template, state)
+        for i, c in enumerate(self.chunks):
+            c.load_state_dict(state[f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None:
+            self.ema.rebind(self.optimizer)
+            if with_ema:
+                self.ema.load_sharded(state["ema"])
+            else:
+                self.ema.restart()
+                log.warning("checkpoint %s holds no EMA of the weights: the EMA starts from "
+                            "its weights at step %d, its warm-up from n = 0", path.name,
+                            state["step"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.saved_step = state["step"]
+        log.info("resumed from %s at step %d", path, self.saved_step)
+        return self.saved_step
+
+    def saved_line(self) -> str:
+        """Where the newest checkpoint of this process is, for a stop message."""
+        if not self.section.save:
+            return "no checkpoint saved (checkpoint.save=false)"
+        return (f"checkpoint {self.dir / f'step_{self.saved_step:06d}'} saved; run the same "
+                "command to resume")
 
 
 # ---------------------------------------------------------------- the payload (swappable)
@@ -81,7 +174,6 @@ def write_payload(directory: Path, d: Dist, sharded_state: dict, step: int) -> N
     _save({**_rng_state(d), "layout": _layout(d)}, directory / f"rng_rank_{d.rank:05d}.pt")
     _barrier()
     if d.rank == 0:
-        from vitgraph.convert import read_dist_weights, save_safetensors
         weights, _ = read_dist_weights(directory / "dist")
         if weights:
             save_safetensors(weights, directory / "model.safetensors", metadata={"step": step})
@@ -207,89 +299,7 @@ def _everyone(fn, d: Dist, what: str):
     return outcomes[0][0]
 
 
-# ---------------------------------------------------------------- manifest
-
-def _sha256(path: Path) -> str:
-    h, buf = hashlib.sha256(), bytearray(1 << 22)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def _files(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                  if p.is_file() and p.name != MANIFEST)
-
-
-def _hash_all(directory: Path, names: list[str]) -> list[str]:
-    # hashlib releases the GIL: threads read and hash files in parallel
-    with ThreadPoolExecutor(min(8, max(1, len(names)), os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda n: _sha256(directory / n), names))
-
-
-def write_manifest(directory: Path, step: int) -> dict:
-    names = _files(directory)
-    digests = _hash_all(directory, names)
-    manifest = {"format": 1, "step": step, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "files": {n: {"size": (directory / n).stat().st_size, "sha256": h}
-                          for n, h in zip(names, digests)}}
-    tmp = directory / (MANIFEST + ".partial")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    return manifest
-
-
-def _read_manifest(directory: Path) -> dict:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (the save did not finish)")
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-        assert isinstance(files, dict) and files
-    except Exception:
-        raise CheckpointError(f"{path}: not a valid manifest") from None
-    return manifest
-
-
-def verify(directory: Path, checksums: bool = True) -> list[str]:
-    """Problems with a step directory, each naming a file; empty when it is intact.
-    ``checksums=False`` checks presence and sizes only (cheap)."""
-    try:
-        files = _read_manifest(directory)["files"]
-    except CheckpointError as e:
-        return [str(e)]
-    problems, present = [], []
-    for name, meta in files.items():
-        path = directory / name
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != meta["size"]:
-            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says "
-                            f"{meta['size']}")
-        else:
-            present.append(name)
-    if checksums and not problems:
-        for name, digest in zip(present, _hash_all(directory, present)):
-            if digest != files[name]["sha256"]:
-                problems.append(f"{directory / name}: checksum differs from the manifest")
-    return problems
-
-
 # ---------------------------------------------------------------- save / find / load
-
-def step_dirs(ckpt_dir: Path) -> list[Path]:
-    """Complete-looking step directories (not ``.tmp``), oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                  key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-
 
 def save(ckpt_dir: Path, step: int, d: Dist, state: dict, keep: int) -> Path:
     """Write ``state`` (the sharded state dict, see ``write_payload``) as checkpoint ``step``. Raises CheckpointError on every rank if any rank fails; the earlier
@@ -388,33 +398,6 @@ def find_resumable(ckpt_dir: Path, d: Dist) -> Path | None:
             + "; ".join(p[0] for p in damaged[:3])
             + ". Start over with checkpoint.resume=false, or start a new run with run.name=...")
     return Path(chosen) if chosen else None
-
-
-def latest(ckpt_dir: Path) -> Path | None:
-    """The newest step directory whose files match its manifest's sizes (cheap), or None."""
-    for path in reversed(step_dirs(ckpt_dir)):
-        if not verify(path, checksums=False):
-            return path
-    return None
-
-
-def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
-    """A run's step directory: the newest complete one, a step number, or a path.
-    ConvertError (the user's input, as for a weights file) when there is none."""
-    ckpts = Path(run_dir) / "checkpoints"
-    if checkpoint is None:
-        path = latest(ckpts) if ckpts.is_dir() else None
-        if path is None:
-            raise ConvertError(f"{run_dir}: no complete checkpoint under {ckpts}")
-        return path
-    s = str(checkpoint)
-    if s.isdigit():
-        path = ckpts / f"step_{int(s):06d}"
-    else:
-        path = Path(s)
-    if not path.is_dir() or path.name.endswith(".tmp"):
-        raise ConvertError(f"checkpoint {s!r}: no complete checkpoint directory {path}")
-    return path
 
 
 def load(path: Path, d: Dist, sharded_template: dict) -> dict:

@@ -25,6 +25,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from vitgraph.train.optim import frozen_slices
+
 log = logging.getLogger("vitgraph")
 
 PREFIX = "ema"
@@ -211,7 +213,6 @@ class WeightEMA:
         out = {"weights": weights, "steps": 0 if is_loading else int(self.count.item())}
         # some layers of a stacked tensor frozen: their slices (the frozen weights, their own
         # average) make the saved tensor whole. Collective: every rank calls it
-        from vitgraph.train.optim import frozen_slices
         frozen = {id(t.data) for t in by_param.values() if not t.data.requires_grad}
         fill = frozen_slices({"weights": weights}, model_sharded, frozen, weights=True)
         if fill:
@@ -268,8 +269,9 @@ def gather_shards(entries: list, group) -> list[torch.Tensor]:
 
 
 def build_ema(cfg, optimizer, device) -> WeightEMA | None:
-    """train.ema's EMA of ``optimizer``'s weights, or None when train.ema.decay is null."""
-    if cfg.decay is None:
+    """train.ema's EMA of ``optimizer``'s weights (``cfg``: the plan's ``ema``), or None
+    without one."""
+    if cfg is None:
         return None
     ema = WeightEMA(optimizer, cfg, device)
     log.info("ema: decay %g%s over %d weight tensors in fp32%s", ema.decay,

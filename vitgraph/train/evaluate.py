@@ -26,10 +26,17 @@ from pathlib import Path
 import torch
 import yaml
 
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
 from vitgraph.config import Config
-from vitgraph.data import iterate_eval
-from vitgraph.data import EncodedImages
+from vitgraph.convert.checkpoints import checkpoint_dir
+from vitgraph.data import EncodedImages, build_datasets, iterate_eval, iterate_eval_packs
 from vitgraph.models.vit import unwrap
+from vitgraph.parallel.setup import (for_inference, init_distributed, launched_world_size,
+                                     shutdown)
+from vitgraph.plan import resolve
+from vitgraph.tasks import make_task
+from vitgraph.train import checkpoint as ckpt
 from vitgraph.train.metrics import eval_line
 
 log = logging.getLogger("vitgraph")
@@ -63,7 +70,6 @@ class Evaluator:
 
     def __init__(self, task, wrapped: list, chunks: list, d, batch_size: int, fp8: bool,
                  pack=None):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         self.task, self.wrapped, self.chunks, self.d = task, wrapped, chunks, d
         self.batch_size = batch_size
         self.forward_backward = get_forward_backward_func()
@@ -81,7 +87,6 @@ class Evaluator:
             for fields in iterate_eval(dataset, self.batch_size, self.d.dp_rank, self.d.dp):
                 yield split_padded(fields, self.k, self.fill, self.task.fill_label)
             return
-        from vitgraph.data.native import iterate_eval_packs
         group = []
         for fields in iterate_eval_packs(dataset, self.pack, self.d.dp_rank, self.d.dp):
             group.append(fields)
@@ -161,28 +166,18 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
     """``vitgraph eval``: the metrics of one checkpoint of ``cfg``'s run on ``split``, written
     to the run directory (see the module's docstring); returns them with the file's path.
     ``ema``: the checkpoint's EMA of the weights (ConvertError when it holds none)."""
-    from vitgraph.data import build_datasets
-    from vitgraph.parallel.setup import for_inference, init_distributed, shutdown
-    from vitgraph.plan import resolve_plan
-    from vitgraph.tasks import make_task
-    from vitgraph.train import checkpoint as ckpt
-
-    path = ckpt.checkpoint_dir(cfg.run_dir, checkpoint)
-    d = init_distributed(cfg)
+    path = checkpoint_dir(cfg.run_dir, checkpoint)
+    plan = resolve(cfg, launched_world_size())
+    d = init_distributed(plan)
     try:
-        plan = resolve_plan(cfg, d)
-        if plan.native:
-            from vitgraph.data.native import build_native_datasets
-            train_set, val_set = build_native_datasets(cfg.data, cfg.train.seed)
-        else:
-            train_set, val_set = build_datasets(cfg.data, cfg.train.seed)
-        task = make_task(plan, cfg, d)
+        train_set, val_set = build_datasets(plan.data, plan.train.seed, plan.native)
+        task = make_task(plan, d)
         task.attach(train_set, val_set)
-        chunks = task.build_model()
+        chunks = task.build_model(with_init_from=False)  # the checkpoint's weights
         wrapped = for_inference(chunks)
         step = ckpt.load_model(path, chunks, ema=ema)
         dataset = train_set if split == "train" else val_set
-        evaluator = Evaluator(task, wrapped, chunks, d, cfg.train.eval_batch_size, plan.fp8,
+        evaluator = Evaluator(task, wrapped, chunks, d, plan.train.eval_batch_size, plan.fp8,
                               plan.pack)
         data = {**data_identity(cfg.data), "split": split, "images": len(dataset.labels)}
         evals = evaluator(dataset)

@@ -1,7 +1,6 @@
 """The training loop: microbatches through megatron-core's schedules, on CPU and GPU alike."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -9,47 +8,50 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from vitgraph import HARDWARE_QUEUES, hardware_queues
-from vitgraph.config import Config, save_config, validate_machine
-from vitgraph.convert.export_files import write_classes
-from vitgraph.data import MicrobatchLoader, build_datasets
+from vitgraph.config import Config, ConfigError, validate_machine
+from vitgraph.convert import ConvertError
+from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets
+from vitgraph.data.augment import augment_line
 from vitgraph.data.prefetch import Prefetcher
+from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
-from vitgraph.parallel import fsdp
-from vitgraph.parallel.setup import (Dist, collective_timeout, init_distributed, parallelize,
-                                     shutdown)
-from vitgraph.plan import Plan, resolve_plan
+from vitgraph.parallel.setup import (collective_timeout, init_distributed, launched_world_size,
+                                     parallelize, shutdown)
+from vitgraph.plan import resolve
 from vitgraph.tasks import make_task
-from vitgraph.train import checkpoint
+from vitgraph.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from vitgraph.train.ema import build_ema
 from vitgraph.train.evaluate import Evaluator, ema_metrics
 from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
-from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, augment_line, eval_line,
-                                    graphs_line, train_line)
-from vitgraph.train.optim import (allocate_offloaded_state, build_optimizer, build_scheduler,
-                                   freeze_rules, offload_pickled_classes)
+from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, eval_line, graphs_line,
+                                    train_line)
+from vitgraph.train.optim import build_optimizer, build_scheduler
 from vitgraph.train.preempt import Preempted, StopRequests
-from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0
+from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0, save_config
 
 log = logging.getLogger("vitgraph")
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
+def _start_run_dir(cfg: Config) -> None:
+    """The run folder with ``cfg`` as config.yaml (what a resumed run is checked against) and
+    the log, on rank 0 (torchrun's RANK), before the process groups: the others wait for it
+    where the groups are made."""
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
-    if rank != 0:
+    if not is_rank0():
         log.addHandler(logging.NullHandler())
         return
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, cfg.run_dir / "config.yaml")
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(cfg.run_dir / "train.log")):
         h.setFormatter(fmt)
         log.addHandler(h)
 
@@ -81,91 +83,64 @@ class TrainingFailed(RuntimeError):
 
 
 class Trainer:
-    """One run's training on this rank: built from ``cfg`` (process groups, task, data, model,
-    optimizer), then ``run()``. ``stops``: the run's stop requests (train() installs them
-    before start-up, so a signal during it is not lost); None: installed by ``run``."""
+    """One run's training on this rank: ``cfg`` resolved into a plan (vitgraph.plan), then
+    built from it (process groups, task, data, model, optimizer), then ``run()``. ``stops``:
+    the run's stop requests (train() installs them before start-up, so a signal during it is
+    not lost); None: installed by ``run``."""
 
     def __init__(self, cfg: Config, stops: StopRequests | None = None):
-        self.cfg, self.stops = cfg, stops
-        self.d: Dist = init_distributed(cfg)
-        self.plan: Plan = resolve_plan(cfg, self.d)
+        self.stops = stops
         self.run_dir = cfg.run_dir
-        self.ckpt_dir = self.run_dir / "checkpoints"
-        self._start_run_dir()
-        self._build_data_and_task()
-        self._build_model()
-        self.schedule = Schedule(self.total_steps, cfg.train.log_every, cfg.train.eval_every,
-                                 cfg.checkpoint.every)
-        self.records = RecordLog(self.run_dir, self.d.rank == 0, cfg.train.tensorboard)
-        self.step = 0
-        self._saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
-        if self.d.cuda:
-            from vitgraph.graphs.cudnn import warn_if_fallback
-            warn_if_fallback(log)
-
-    def _start_run_dir(self) -> None:
-        cfg, d = self.cfg, self.d
-        if d.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir / "config.yaml")
-        dist.barrier()
-        _setup_logging(self.run_dir, d.rank)
+        _start_run_dir(cfg)
+        self.plan = plan = resolve(cfg, launched_world_size())
+        self.d = d = init_distributed(plan)
+        t = plan.train
         queues = hardware_queues()
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
                  f"{torch.cuda.get_device_name()}, {queues} hardware queues "
                  "(CUDA_DEVICE_MAX_CONNECTIONS)" if d.cuda else "CPU (gloo, shims active)")
-        if d.cuda and cfg.data.decode != "cpu" and queues < HARDWARE_QUEUES:
+        if d.cuda and plan.data.decode != "cpu" and queues < HARDWARE_QUEUES:
             log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%d: with data.decode=cuda fewer hardware "
                         "queues slow training from shards (H200, ViT-B/16: 0.86x the synthetic "
                         "rate with 8, 0.95x with 32); unset it for vitgraph's %d",
                         queues, HARDWARE_QUEUES)
-        log.info("augmentation: %s", augment_line(cfg.data.augment,
-                                                  self.plan.task == "classification"))
-
-    def _build_data_and_task(self) -> None:
-        """The datasets, this rank's loader, the run's length, and the task (vitgraph.tasks:
-        the model, its batches and its loss) with the datasets attached."""
-        cfg, d, t = self.cfg, self.d, self.cfg.train
+        log.info("augmentation: %s", augment_line(plan.data.augment,
+                                                  plan.task == "classification"))
+        # the data, this rank's loader and the run's length
         t0 = time.time()
-        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * d.dp)
-        if self.plan.native:  # one pack per microbatch (vitgraph.data.native)
-            from vitgraph.data.native import PackedLoader, build_native_datasets
-            self.train_set, self.val_set = build_native_datasets(cfg.data, t.seed)
-            self.loader = PackedLoader(self.train_set, self.plan.pack, self.num_microbatches,
-                                       d.dp_rank, d.dp, t.seed, cfg.data.packing.window,
-                                       augment_cfg=cfg.data.augment)
+        self.num_microbatches = plan.num_microbatches
+        self.train_set, self.val_set = build_datasets(plan.data, t.seed, plan.native)
+        if plan.native:  # one pack per microbatch (vitgraph.data.native)
+            self.loader = PackedLoader(self.train_set, plan.pack, self.num_microbatches,
+                                       d.dp_rank, d.dp, t.seed, plan.data.packing.window,
+                                       augment_cfg=plan.data.augment)
         else:
-            self.train_set, self.val_set = build_datasets(cfg.data, t.seed)
             self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size,
                                            self.num_microbatches, d.dp_rank, d.dp, t.seed)
+        if plan.data.prefetch:
+            self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
-        self.task = make_task(self.plan, cfg, d, self.total_steps)
+        # the task (vitgraph.tasks: the model, its batches and its loss) and this rank's model
+        # chunks (one per virtual pipeline stage), wrapped for precision, data parallelism and
+        # graphs
+        self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
-        if d.rank == 0:  # the class names an export carries
-            write_classes(self.run_dir, self.train_set.classes)
-        log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", cfg.data.kind,
+        log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), time.time() - t0)
-
-    def _build_model(self) -> None:
-        """This rank's model chunks (one per virtual pipeline stage), wrapped for precision,
-        data parallelism and graphs; the optimizer, its LR schedule and megatron's hooks."""
-        cfg, d, t, plan = self.cfg, self.d, self.cfg.train, self.plan
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
-        if cfg.model.init_from:
-            from vitgraph.convert import init_from
-            for chunk in self.chunks:
-                init_from(chunk, cfg.model.init_from, cfg.model.init_format)
-        self.wrapped, self.graphs = parallelize(self.chunks, plan, cfg.parallel, d,
-                                                freeze=freeze_rules(cfg))
-        self.optimizer = build_optimizer(self.wrapped, plan, cfg.optim,
-                                         cfg.parallel.distributed_optimizer)
+        self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
+        self._build_training()
+
+    def _build_training(self) -> None:
+        """What trains the wrapped chunks: the optimizer, its LR schedule, the EMA, megatron's
+        hooks, the step, the evaluator, the log and the checkpoints."""
+        d, t, plan = self.d, self.plan.train, self.plan
+        self.optimizer = build_optimizer(self.wrapped, plan)
         # train.ema: beside the optimizer's fp32 weights (sharded as they are)
-        self.ema = build_ema(cfg.train.ema, self.optimizer, d.device)
-        if cfg.data.prefetch:
-            self.loader = Prefetcher(self.loader, d.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.ema = build_ema(plan.ema, self.optimizer, d.device)
+        self.scheduler = build_scheduler(self.optimizer, plan.optim, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
         log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
                  plan.precision_name)
@@ -174,12 +149,21 @@ class Trainer:
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
         if d.cuda:
-            _wire_ddp(self.model.config, self.wrapped, self.optimizer, cfg.parallel)
+            _wire_ddp(self.model.config, self.wrapped, self.optimizer, plan.parallel)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(self.task, self.wrapped, self.chunks, d,
                                    t.eval_batch_size, plan.fp8, plan.pack)
         # graphs.scope=step captures the whole step; every other path runs it eagerly
         self.train_step = self._graphed_step if plan.graphs.scope == "step" else self._eager_step
+        self.schedule = Schedule(self.total_steps, t.log_every, t.eval_every)
+        self.records = RecordLog(self.run_dir, d.rank == 0, t.tensorboard)
+        self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, self.total_steps, d,
+                                         self.chunks, self.optimizer, self.scheduler,
+                                         self.loader, self.ema, plan.fsdp,
+                                         self.train_set.classes)
+        self.step = 0
+        if d.cuda:
+            warn_if_fallback(log)
 
     # ------------------------------------------------------------------ steps
 
@@ -268,80 +252,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def sharded_state(self, is_loading: bool = False, ema: bool = True) -> dict:
-        """What a checkpoint holds, as megatron-core's dist_checkpointing takes it: model
-        chunks and optimizer as sharded tensors with global names (any layout can load
-        them), schedule and data position as common state; with train.ema (and ``ema``) the
-        EMA of the weights under the model's names prefixed "ema." and its step count.
-        parallel.fsdp: the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp)."""
-        state = self._state(is_loading, ema)
-        return fsdp.to_shards(state) if self.plan.fsdp else state
-
-    def _state(self, is_loading: bool, ema: bool) -> dict:
-        """``sharded_state`` before FSDP's DTensors are cut into this rank's pieces."""
-        with fsdp.unsharded_view() if self.plan.fsdp else contextlib.nullcontext():
-            model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
-            extra = {}
-            if self.ema is not None and ema:
-                extra["ema"] = self.ema.sharded_state_dict(model, is_loading)
-            # fully_reshardable: the distributed optimizer's state gathered into per-parameter
-            # tensors named after the model's (megatron's other formats reshard only across dp)
-            optim = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata={
-                "distrib_optim_sharding_type": "fully_reshardable",
-                "chained_optim_avoid_prefix": True})
-        return {**model, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
-                "loader": self.loader.state_dict(), **extra}
-
-    def save(self) -> None:
-        if not self.cfg.checkpoint.save:
-            log.info("checkpoint: none saved at step %d (checkpoint.save=false)", self.step)
-            return
-        path = checkpoint.save(self.ckpt_dir, self.step, self.d, self.sharded_state(),
-                               self.cfg.checkpoint.keep)
-        self._saved_step = self.step
-        log.info("checkpoint: %s", path)
-
     def maybe_resume(self) -> None:
-        if not self.cfg.checkpoint.resume:
-            return
-        path = checkpoint.find_resumable(self.ckpt_dir, self.d)
-        if path is None:
-            return
-        with_ema = self.ema is not None and checkpoint.holds_ema(path)
-        allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
-        template = self._state(is_loading=True, ema=with_ema)
-        pieces = fsdp.to_shards(template) if self.plan.fsdp else template
-        with torch.serialization.safe_globals(offload_pickled_classes()):
-            state = checkpoint.load(path, self.d, pieces)
-        if self.plan.fsdp:
-            state = fsdp.restore(template, state)
-        for i, c in enumerate(self.chunks):
-            c.load_state_dict(state[f"model{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None:
-            self.ema.rebind(self.optimizer)
-            if with_ema:
-                self.ema.load_sharded(state["ema"])
-            else:
-                self.ema.restart()
-                log.warning("checkpoint %s holds no EMA of the weights: the EMA starts from "
-                            "its weights at step %d, its warm-up from n = 0", path.name,
-                            state["step"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
-        self.step = self._saved_step = state["step"]
-        self.graphs.reset()  # parameters were overwritten: capture again
-        log.info("resumed from %s at step %d", path, self.step)
+        """Continue from the run's newest intact checkpoint, where there is one."""
+        step = self.checkpointer.resume()
+        if step is not None:
+            self.step = step
+            self.graphs.reset()  # parameters were overwritten: capture again
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict:
         """Train to the last step (resuming first), then evaluate, save and write
         metrics.json; its contents are returned."""
-        t = self.cfg.train
+        t = self.plan.train
         self.maybe_resume()
         if self.stops is None:
-            self.stops = StopRequests(collective_timeout(self.cfg)).install()
+            self.stops = StopRequests(collective_timeout(self.plan.parallel)).install()
         health = StepHealth(t.max_bad_steps)
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
                                self.flops_per_sample, t.peak_flops if self.d.cuda else None,
@@ -370,9 +296,9 @@ class Trainer:
             if due.eval:
                 self._evaluate_and_log()
                 window.restart_clock()
-            if due.checkpoint:
+            if self.checkpointer.due(self.step):
                 health.check(self.step)  # a run of bad steps at the limit stops unsaved
-                self.save()
+                self.checkpointer.save(self.step)
                 window.restart_clock()
         progress.close()
         health.check(self.step)
@@ -392,7 +318,7 @@ class Trainer:
 
     def _evaluate_and_log(self) -> dict:
         evals = self.evaluate()
-        if self.ema is not None and self.cfg.train.ema.eval:  # raw eval_X, EMA eval_ema_X
+        if self.ema is not None and self.plan.ema.eval:  # raw eval_X, EMA eval_ema_X
             with self.ema.swapped(self.wrapped):
                 evals.update(ema_metrics(self.evaluate()))
         self.records.write({"step": self.step, **evals})
@@ -402,15 +328,15 @@ class Trainer:
     def _finish(self, record: dict, wall: float) -> dict:
         """The end of the run: the last evaluation, the last checkpoint, metrics.json."""
         evals = self._evaluate_and_log()
-        if self.step > self._saved_step:
-            self.save()
+        if self.step > self.checkpointer.saved_step:
+            self.checkpointer.save(self.step)
         record = record or self.records.last_train_record()  # a run stopped after its save
         metrics = {"step": self.step, **evals,
                    **{k: record[k] for k in ("loss", "loss_task", "loss_distill", "train_top1",
                                              "images_per_s", "mfu",
                                              "peak_mem_gib", "peak_reserved_gib", "skipped_steps")
                                              if k in record},
-                   "wall_s_this_process": wall, "model": self.cfg.model.name,
+                   "wall_s_this_process": wall, "model": self.plan.model.name,
                    "run_dir": str(self.run_dir), "total_steps": self.total_steps,
                    "steps_per_epoch": self.loader.steps_per_epoch}
         graphs = self.graphs.stats()
@@ -426,11 +352,9 @@ class Trainer:
 
     def _stop_preempted(self) -> None:
         """A stop signal reached a rank: every rank is here at the same step. Save and leave."""
-        if self.step > self._saved_step:
-            self.save()
-        saved = (f"checkpoint {self.ckpt_dir / f'step_{self._saved_step:06d}'} saved; run the "
-                 f"same command to resume" if self.cfg.checkpoint.save
-                 else "no checkpoint saved (checkpoint.save=false)")
+        if self.step > self.checkpointer.saved_step:
+            self.checkpointer.save(self.step)
+        saved = self.checkpointer.saved_line()
         log.warning("%s received: stopped after step %d/%d; %s", self.stops.received or
                     "a stop signal (on another rank)", self.step, self.total_steps, saved)
         raise Preempted(f"preempted after step {self.step}/{self.total_steps}; {saved}")
@@ -477,7 +401,7 @@ def train(cfg: Config) -> dict:
             print(done, flush=True)
         return done.metrics
     trainer, failed = None, False
-    stops = StopRequests(collective_timeout(cfg)).install()
+    stops = StopRequests(collective_timeout(cfg.parallel)).install()
     try:
         trainer = Trainer(cfg, stops)
         for key, old, new in changes:
@@ -502,10 +426,7 @@ def train(cfg: Config) -> dict:
 
 def _users_input(e: Exception) -> bool:
     """Errors the CLI reports as the user's input (exit 2) rather than a training failure."""
-    from vitgraph.config import ConfigError
-    from vitgraph.convert import ConvertError
-    from vitgraph.data import DataError
-    return isinstance(e, (ConfigError, ConvertError, DataError, checkpoint.NoIntactCheckpoint))
+    return isinstance(e, (ConfigError, ConvertError, DataError, NoIntactCheckpoint))
 
 
 def _log_failure(cfg: Config, step) -> None:
@@ -523,7 +444,7 @@ def _log_failure(cfg: Config, step) -> None:
 def _summary(cfg: Config, trainer, e: Exception) -> str:
     where = f"after step {trainer.step}" if trainer is not None else "before training"
     resume = ""
-    if trainer is not None and trainer._saved_step >= 0:
-        resume = f"; the same command resumes from checkpoint step {trainer._saved_step}"
+    if trainer is not None and trainer.checkpointer.saved_step >= 0:
+        resume = f"; the same command resumes from checkpoint step {trainer.checkpointer.saved_step}"
     return (f"training failed {where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             f" (traceback in {cfg.run_dir / 'train.log'}){resume}")

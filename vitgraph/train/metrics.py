@@ -57,35 +57,6 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def augment_line(a, mixes_labels: bool = True) -> str:
-    """The augmentation in force (``data.augment``, its preset's values resolved), as the
-    start of a run logs it. ``mixes_labels``: whether the task mixes labels (a contrastive
-    task never does)."""
-    if not a.enabled:
-        return "off"
-    a = a.resolve()
-    parts = [f"crop {a.crop_scale_min:g}-{a.crop_scale_max:g} of the area"]
-    if a.flip:
-        parts.append(f"flip {a.flip:g}")
-    if a.auto == "randaugment" and a.num_ops:
-        parts.append(f"randaugment {a.num_ops} ops m{a.magnitude:g} (std {a.magnitude_std:g}, "
-                     f"p {a.op_prob:g})")
-    elif a.auto == "trivialaugment":
-        parts.append("trivialaugment")
-    elif a.auto == "3augment":
-        parts.append("3-augment (grayscale / solarize / blur)")
-    if a.color_jitter:
-        parts.append(f"colour jitter {a.color_jitter:g}")
-    if mixes_labels and a.mixes:
-        mix = [f"{name} {alpha:g}" for name, alpha in (("mixup", a.mixup_alpha),
-                                                        ("cutmix", a.cutmix_alpha)) if alpha]
-        parts.append(" / ".join(mix) + f" (p {a.mix_prob:g}"
-                     + (f", cutmix share {a.switch_prob:g})" if len(mix) == 2 else ")"))
-    if a.erase_prob:
-        parts.append(f"erasing {a.erase_prob:g}")
-    return ", ".join(parts)
-
-
 class MetricsWindow:
     """The steps since the last log step. ``add`` sums on the device (a skipped step's
     non-finite values stay out); ``close`` reduces over the ranks, reads the sums once and

@@ -3,7 +3,7 @@ optionally distributed). CPU: ``CpuOptimizer``, torch AdamW behind the same inte
 
 Param groups: weight decay on / off, times the layer-wise lr scale (optim.layer_decay), each
 group annealed by megatron's OptimizerParamScheduler between its own ``max_lr`` / ``min_lr``.
-Frozen parameters (model.freeze, task.lock_image: ``freeze``, applied by
+Frozen parameters (model.freeze, task.lock_image: vitgraph.models.freeze, applied by
 vitgraph.parallel.setup.parallelize before DDP) are in no group."""
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from vitgraph.config import OptimConfig
 from vitgraph.parallel import cpu_shims
 from vitgraph.parallel.fsdp import is_dtensor, local
+from vitgraph.plan import Plan
+from vitgraph.train.health import skip_nonfinite_steps
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -79,80 +81,7 @@ def _aligned(keys: list) -> list:
     return sorted(set(keys))
 
 
-# ------------------------------------------------------------ frozen parameters
-
-def global_names(chunk: torch.nn.Module) -> dict[int, str]:
-    """id(parameter) -> its name in the whole model: an encoder layer's index is its global
-    one (megatron's ``layer_number`` - 1), so "decoder.layers.0.*" means the first layer at any
-    pp / vpp layout (a later stage's chunk numbers its own layers from 0)."""
-    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
-    out = {id(p): n for n, p in chunk.named_parameters()}
-    for name, m in chunk.named_modules():
-        if isinstance(m, BaseTransformerLayer) and "." in name:
-            prefix = f"{name.rsplit('.', 1)[0]}.{m.layer_number - 1}"
-            for n, p in m.named_parameters():
-                out[id(p)] = f"{prefix}.{n}"
-    return out
-
-
-def freeze_rules(cfg) -> list[tuple[str, str]]:
-    """(config key, fnmatch pattern) pairs of what a run leaves out of training:
-    model.freeze, and task.lock_image's image tower (vitgraph.tasks.contrastive)."""
-    rules = [("model.freeze", pat) for pat in cfg.model.freeze or ()]
-    if cfg.task.lock_image:
-        from vitgraph.tasks.contrastive import IMAGE_TOWER
-        rules.append(("task.lock_image", IMAGE_TOWER))
-    return rules
-
-
-def freeze(chunks: list, rules: list[tuple[str, str]], pp_rank: int = 0, pp: int = 1) -> int:
-    """Set requires_grad=False on every parameter of this rank's (unwrapped) ``chunks`` whose
-    name (``global_names``) matches one of ``rules`` (``freeze_rules``); before DDP wraps
-    them, so megatron's DDP and optimizer (and CpuOptimizer) give them no gradient buffer and
-    no state. Collective (``pp_rank`` / ``pp``: this rank's pipeline stage and their number):
-    a pattern that matches no parameter on any rank, or leaves nothing to train, is a
-    ConfigError; so is, under a pipeline, a first stage with nothing to train (megatron's
-    backward there would start from an output that needs no gradient). Returns the
-    parameters frozen here."""
-    import fnmatch
-
-    from vitgraph.config import ConfigError
-    if not rules:
-        return 0
-    hits, frozen, trainable = [0] * len(rules), 0, [0] * len(chunks)
-    for c, chunk in enumerate(chunks):
-        names = global_names(chunk)
-        for p in chunk.parameters():
-            name = names[id(p)]
-            matched = [i for i, (_, pat) in enumerate(rules) if fnmatch.fnmatchcase(name, pat)]
-            for i in matched:
-                hits[i] += 1
-            if matched:
-                p.requires_grad_(False)
-                frozen += 1
-            elif p.requires_grad:
-                trainable[c] += 1
-    # (matches per rule, trainable here, trainable in the model's first (virtual) stage)
-    mine = (hits, sum(trainable), trainable[0] if pp_rank == 0 else 0, pp_rank == 0)
-    every = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-    patterns = [pat for _, pat in rules]
-    for i, (key, pat) in enumerate(rules):
-        if not sum(e[0][i] for e in every):
-            what = ("no image-tower parameter" if key == "task.lock_image" else
-                    "no parameter name (`vitgraph params CONFIG` lists them)")
-            raise ConfigError(f"{key}: pattern {pat!r} matches {what}")
-    if not sum(e[1] for e in every):
-        raise ConfigError(f"model.freeze: {patterns} freeze every parameter: nothing is left "
-                          "to train")
-    if pp > 1 and not sum(e[2] for e in every if e[3]):
-        raise ConfigError(f"model.freeze: {patterns} freeze the whole first pipeline stage, "
-                          "whose backward needs a parameter to train: freeze less, or use "
-                          "parallel.pp=1")
-    return frozen
-
+# ------------------------------------------------------------ frozen parameters' state
 
 FROZEN_FILL = "vitgraph_frozen_fill"
 
@@ -551,12 +480,12 @@ def offload_pickled_classes() -> list:
     return sorted({mo.Adam, mo.SGD, mo.CPUAdam, mo.CPUSGD}, key=repr)
 
 
-def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
-    """``chunks``: this rank's (wrapped) model chunks; ``plan`` (vitgraph.plan.Plan): the
-    device and the graph path; ``o``: the ``optim:`` section; ``distributed``: megatron's
-    distributed optimizer (parallel.distributed_optimizer). With graphs.scope=step on GPU
-    the megatron optimizer's ``step`` is replaced by a ``SyncFreeStep`` (its ``load_lr`` is
-    called before every step)."""
+def build_optimizer(chunks: list, plan: Plan):
+    """``chunks``: this rank's (wrapped) model chunks; ``plan``: the device, the graph path,
+    its ``optim:`` section and megatron's distributed optimizer (parallel.
+    distributed_optimizer). With graphs.scope=step on GPU the megatron optimizer's ``step``
+    is replaced by a ``SyncFreeStep`` (its ``load_lr`` is called before every step)."""
+    o, distributed = plan.optim, plan.parallel.distributed_optimizer
     if not plan.cuda:
         optimizer = CpuOptimizer(chunks, o)
         fill_frozen_slices(optimizer, chunks)
@@ -598,7 +527,6 @@ def build_optimizer(chunks: list, plan, o: OptimConfig, distributed: bool):
         optimizer.step, optimizer.load_lr = sync_free.step, sync_free.load_lr
         return optimizer
     # megatron's bf16 optimizer steps on a NaN gradient norm: skip such steps instead
-    from vitgraph.train.health import skip_nonfinite_steps
     return skip_nonfinite_steps(optimizer)
 
 

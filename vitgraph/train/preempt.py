@@ -8,6 +8,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from vitgraph.train.checkpoint import start_writer_helper
+
 # EX_TEMPFAIL (sysexits.h): "try again later". scripts/slurm/train.sbatch requeues on it.
 PREEMPTED_EXIT = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -37,7 +39,6 @@ class StopRequests:
 
     def install(self) -> "StopRequests":
         """Before start-up, so that a signal during data loading is not lost either."""
-        from vitgraph.train.checkpoint import start_writer_helper
         start_writer_helper(SIGNALS)
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)

@@ -26,6 +26,13 @@ class FinishedRun(Exception):
         self.metrics = metrics
 
 
+def save_config(cfg: Config, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+
+
 def _flatten(tree: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in tree.items():

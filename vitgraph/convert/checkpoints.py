@@ -1,0 +1,130 @@
+"""A run's checkpoint folders on disk: the step directories under ``<run_dir>/checkpoints``,
+the manifest that makes one complete (every other file's size and sha256, written last), and
+which is intact and newest. vitgraph.train.checkpoint writes them; training, ``vitgraph
+eval`` / ``export`` and a distillation teacher find them here."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from vitgraph.convert.tables import ConvertError
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file."""
+
+
+def _sha256(path: Path) -> str:
+    h, buf = hashlib.sha256(), bytearray(1 << 22)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def _hash_all(directory: Path, names: list[str]) -> list[str]:
+    # hashlib releases the GIL: threads read and hash files in parallel
+    with ThreadPoolExecutor(min(8, max(1, len(names)), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda n: _sha256(directory / n), names))
+
+
+def write_manifest(directory: Path, step: int) -> dict:
+    names = _files(directory)
+    digests = _hash_all(directory, names)
+    manifest = {"format": 1, "step": step, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "files": {n: {"size": (directory / n).stat().st_size, "sha256": h}
+                          for n, h in zip(names, digests)}}
+    tmp = directory / (MANIFEST + ".partial")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    return manifest
+
+
+def _read_manifest(directory: Path) -> dict:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the save did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        assert isinstance(files, dict) and files
+    except Exception:
+        raise CheckpointError(f"{path}: not a valid manifest") from None
+    return manifest
+
+
+def verify(directory: Path, checksums: bool = True) -> list[str]:
+    """Problems with a step directory, each naming a file; empty when it is intact.
+    ``checksums=False`` checks presence and sizes only (cheap)."""
+    try:
+        files = _read_manifest(directory)["files"]
+    except CheckpointError as e:
+        return [str(e)]
+    problems, present = [], []
+    for name, meta in files.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != meta["size"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says "
+                            f"{meta['size']}")
+        else:
+            present.append(name)
+    if checksums and not problems:
+        for name, digest in zip(present, _hash_all(directory, present)):
+            if digest != files[name]["sha256"]:
+                problems.append(f"{directory / name}: checksum differs from the manifest")
+    return problems
+
+
+
+def step_dirs(ckpt_dir: Path) -> list[Path]:
+    """Complete-looking step directories (not ``.tmp``), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                  key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest(ckpt_dir: Path) -> Path | None:
+    """The newest step directory whose files match its manifest's sizes (cheap), or None."""
+    for path in reversed(step_dirs(ckpt_dir)):
+        if not verify(path, checksums=False):
+            return path
+    return None
+
+
+def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
+    """A run's step directory: the newest complete one, a step number, or a path.
+    ConvertError (the user's input, as for a weights file) when there is none."""
+    ckpts = Path(run_dir) / "checkpoints"
+    if checkpoint is None:
+        path = latest(ckpts) if ckpts.is_dir() else None
+        if path is None:
+            raise ConvertError(f"{run_dir}: no complete checkpoint under {ckpts}")
+        return path
+    s = str(checkpoint)
+    if s.isdigit():
+        path = ckpts / f"step_{int(s):06d}"
+    else:
+        path = Path(s)
+    if not path.is_dir() or path.name.endswith(".tmp"):
+        raise ConvertError(f"checkpoint {s!r}: no complete checkpoint directory {path}")
+    return path
