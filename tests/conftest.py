@@ -12,6 +12,16 @@ from vitgraph import set_hardware_queues
 set_hardware_queues()  # in-process GPU tests run as `vitgraph train` does (before CUDA starts)
 import torch  # noqa: E402
 
+# CPU: one intra-op thread in this process, whatever a Trainer asks for (vitgraph.parallel.setup
+# takes cpu_count / local ranks): the suite's models are width 64, too small to split, and two
+# threads on two shared cores wait on each other in every op. tests/test_clip.py took 114 s
+# at two threads and 37 s at one (its CLIP fit 46 s and 8 s) on a 2-core machine with other
+# work on it. Subprocesses choose their own (torchrun's ranks: one each).
+if not torch.cuda.is_available():
+    _set_num_threads = torch.set_num_threads
+    torch.set_num_threads = lambda n: _set_num_threads(1)
+    _set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
