@@ -1,5 +1,7 @@
+import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +11,16 @@ from vitgraph import set_hardware_queues
 
 set_hardware_queues()  # in-process GPU tests run as `vitgraph train` does (before CUDA starts)
 import torch  # noqa: E402
+
+# CPU: one intra-op thread in this process, whatever a Trainer asks for (vitgraph.parallel.setup
+# takes cpu_count / local ranks): the suite's models are width 64, too small to split, and two
+# threads on two shared cores wait on each other in every op. tests/test_clip.py took 114 s
+# at two threads and 37 s at one (its CLIP fit 46 s and 8 s) on a 2-core machine with other
+# work on it. Subprocesses choose their own (torchrun's ranks: one each).
+if not torch.cuda.is_available():
+    _set_num_threads = torch.set_num_threads
+    torch.set_num_threads = lambda n: _set_num_threads(1)
+    _set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +86,33 @@ def clean_env() -> dict:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         e.pop(k, None)
     return e
+
+
+def train_in_turn(nproc: int, jobs: list[dict], work: Path,
+                  timeout: int = 1200) -> subprocess.CompletedProcess:
+    """``jobs`` (tests/train_in_turn.py: `vitgraph train` arguments, optionally a resume from
+    another job's checkpoint) one after another in one launch of ``nproc`` processes; a
+    plain process for one."""
+    work.mkdir(parents=True, exist_ok=True)
+    spec = work / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+              "--master-addr", "127.0.0.1", "--master-port", str(free_port())] \
+        if nproc > 1 else [sys.executable]
+    return subprocess.run([*launch, str(ROOT / "tests" / "train_in_turn.py"), str(spec)],
+                          env=dict(clean_env(), OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def loss_records(run_dir: Path, launch: subprocess.CompletedProcess | None = None) -> list[dict]:
+    """The training records of a run's log.jsonl; a missing log fails the test with the
+    output of the launch that should have written it."""
+    log = Path(run_dir) / "log.jsonl"
+    if not log.is_file():
+        detail = "" if launch is None else \
+            f" (launch exit {launch.returncode}):\n{launch.stdout[-3000:]}\n{launch.stderr[-5000:]}"
+        pytest.fail(f"{log} was not written{detail}")
+    return [r for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
 
 
 @pytest.fixture

@@ -13,11 +13,19 @@ from conftest import ROOT, clean_env, tiny_overrides, vitgraph_cmd, world_of_one
 dist1 = world_of_one("torch")
 
 
-def run(env, *args, check=True):
+def run(env, *args):
     p = subprocess.run(vitgraph_cmd(*args), env=env, capture_output=True, text=True, timeout=300)
-    if check and p.returncode != 0:
+    if p.returncode != 0:
         raise AssertionError(f"{args}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+def here(capsys, *args) -> tuple[int, str, str]:
+    """``vitgraph ARGS`` in this process (no interpreter start-up): (exit code, out, err)."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def snapshot(run_dir):
@@ -26,21 +34,18 @@ def snapshot(run_dir):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, env_module):
+def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cli") / "run"
-    run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
-        *tiny_overrides(run_dir, steps=12, **{"data.cache_dir": "null"}))
+    assert main(["train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+                 *tiny_overrides(run_dir, steps=12, **{"data.cache_dir": "null"})]) == 0
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def env_module():
-    return clean_env()
-
-
-def test_version_configs_usage_and_cache(env, tmp_path, capsys):
+def test_version_configs_usage_and_cache(tmp_path, capsys):
     from vitgraph import __version__
-    assert run(env, "--version").stdout.strip() == f"vitgraph {__version__}"
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"vitgraph {__version__}"
     assert main(["configs"]) == 0
     out = capsys.readouterr().out
     for f in sorted((ROOT / "configs").glob("*.yaml")):
@@ -70,24 +75,28 @@ def test_models_lists_classifiers_and_image_text_pairs(capsys):
     assert "  siglip_vit_b16 " in pairs and "context 64" in pairs
 
 
-def test_eval_writes_only_its_json(trained, env_module):
+def test_eval_writes_only_its_json(trained, capsys):
+    def evaluate(*args) -> str:
+        code, out, err = here(capsys, "eval", str(trained / "config.yaml"), *args)
+        assert code == 0, err[-3000:]
+        return out.strip().splitlines()[-1]
+
     before = snapshot(trained)
     metrics = json.loads((trained / "metrics.json").read_text())
-    out = run(env_module, "eval", str(trained / "config.yaml")).stdout.strip().splitlines()[-1]
+    out = evaluate()
     assert out == str(trained / "eval-12.json")
     result = json.loads((trained / "eval-12.json").read_text())
     assert result["step"] == 12 and result["eval_images"] == 200
     assert result["data"] == {"kind": "shapes", "path": None, "split": "val", "images": 200}
     assert result["eval_top1"] == pytest.approx(metrics["eval_top1"])
     assert result["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
-    run(env_module, "eval", str(trained / "config.yaml"), "--split", "train", "--checkpoint", "12")
+    evaluate("--split", "train", "--checkpoint", "12")
     train_eval = json.loads((trained / "eval-12-train.json").read_text())
     assert train_eval["split"] == "train" and train_eval["eval_images"] == 512
     assert train_eval["data"]["split"] == "train" and train_eval["data"]["images"] == 512
     own = (trained / "eval-12.json").read_text()
     # other data (here fewer held-out images): a file of its own, the run's eval kept
-    other = run(env_module, "eval", str(trained / "config.yaml"),
-                "data.num_val=100").stdout.strip().splitlines()[-1]
+    other = evaluate("data.num_val=100")
     assert other.startswith(str(trained / "eval-12-shapes-")) and other.endswith(".json")
     assert json.loads(open(other).read())["data"]["images"] == 100
     assert (trained / "eval-12.json").read_text() == own
@@ -198,7 +207,7 @@ def test_export_timm_and_hf_load_back_with_the_same_logits(trained, dist1, tmp_p
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_an_imagefolder_runs_export_names_its_classes(env_module, tmp_path):
+def test_an_imagefolder_runs_export_names_its_classes(tmp_path, capsys):
     from PIL import Image
     data = tmp_path / "data"
     for split in ("train", "val"):
@@ -208,41 +217,40 @@ def test_an_imagefolder_runs_export_names_its_classes(env_module, tmp_path):
                 Image.new("RGB", (20, 16), (90 * c, 40 * i, 30)).save(
                     data / split / name / f"{i}.png")
     run_dir = tmp_path / "run"
-    run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
-        "data.kind=imagefolder", f"data.path={data}",
-        *tiny_overrides(run_dir, steps=2, **{"train.global_batch_size": 4,
-                                             "train.micro_batch_size": 4}))
-    run(env_module, "export", str(run_dir), "--format", "hf", "--out",
-        str(tmp_path / "hf" / "model.safetensors"))
+    code, _, err = here(capsys, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+                        "data.kind=imagefolder", f"data.path={data}",
+                        *tiny_overrides(run_dir, steps=2, **{"train.global_batch_size": 4,
+                                                             "train.micro_batch_size": 4}))
+    assert code == 0, err[-3000:]
+    assert main(["export", str(run_dir), "--format", "hf", "--out",
+                 str(tmp_path / "hf" / "model.safetensors")]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["id2label"] == {"0": "cat", "1": "dog", "2": "zebra"}
     assert config["label2id"] == {"cat": 0, "dog": 1, "zebra": 2}
-    run(env_module, "export", str(run_dir), "--format", "timm", "--out",
-        str(tmp_path / "timm" / "model.safetensors"))
+    assert main(["export", str(run_dir), "--format", "timm", "--out",
+                 str(tmp_path / "timm" / "model.safetensors")]) == 0
     timm_cfg = json.loads((tmp_path / "timm" / "config.json").read_text())
     assert timm_cfg["label_names"] == ["cat", "dog", "zebra"] and timm_cfg["num_classes"] == 3
 
 
-def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, env_module,
-                                                                     tmp_path):
+def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, tmp_path, capsys):
     """The message gives the file's and the config's sizes, what to set, and the file's own
     key names (timm's here), not vitgraph's."""
     from vitgraph.convert import from_vitgraph, read_checkpoint_weights, save_safetensors
     from vitgraph.convert.checkpoints import checkpoint_dir
     sd = read_checkpoint_weights(checkpoint_dir(trained))[0]  # 4 layers x 64
     path = save_safetensors(from_vitgraph(sd, "timm", 4), tmp_path / "w.safetensors")
-    p = run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
-            f"model.init_from={path}", "model.num_layers=2",
-            *tiny_overrides(tmp_path / "run", steps=2), check=False)
-    assert p.returncode == 2, p.stderr[-2000:]
-    err = p.stderr
+    code, _, err = here(capsys, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+                        f"model.init_from={path}", "model.num_layers=2",
+                        *tiny_overrides(tmp_path / "run", steps=2))
+    assert code == 2, err[-2000:]
     assert "holds a 4-layer, 64-wide ViT" in err and "builds a 2-layer, 64-wide ViT" in err
     assert "set model.name / model.num_layers " in err and "failed" not in err
     with_registers = dict(sd, registers=torch.zeros(1, 1, 64))
     path = save_safetensors(from_vitgraph(with_registers, "timm", 4), tmp_path / "r.safetensors")
-    p = run(env_module, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
-            f"model.init_from={path}", *tiny_overrides(tmp_path / "run2", steps=2), check=False)
-    assert p.returncode == 2 and "unexpected key 'reg_token'" in p.stderr, p.stderr[-2000:]
+    code, _, err = here(capsys, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+                        f"model.init_from={path}", *tiny_overrides(tmp_path / "run2", steps=2))
+    assert code == 2 and "unexpected key 'reg_token'" in err, err[-2000:]
 
 
 def test_a_cpu_run_prints_no_warnings_of_what_is_not_installed(tmp_path):
@@ -272,9 +280,10 @@ def test_auto_spec_on_a_gpu_without_te_says_so_once(monkeypatch, caplog):
     specs._say_no_te.cache_clear()
 
 
-def test_checkpoint_save_false_writes_no_checkpoint(env, tmp_path):
+def test_checkpoint_save_false_writes_no_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    run(env, "train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
-        *tiny_overrides(run_dir, steps=3, **{"checkpoint.save": "false", "checkpoint.every": 2}))
+    assert main(["train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"),
+                 *tiny_overrides(run_dir, steps=3, **{"checkpoint.save": "false",
+                                                      "checkpoint.every": 2})]) == 0
     assert (run_dir / "metrics.json").is_file()
     assert not any((run_dir / "checkpoints").glob("step_*"))

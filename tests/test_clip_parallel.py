@@ -49,10 +49,8 @@ def _run(tp: int, name: str):
     return out[0].detach(), out[1].detach(), loss.detach(), grads
 
 
-def _worker(rank, world, port, name, out_dir):
+def _compare(name):
     from megatron.core import parallel_state as ps
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     img2, txt2, loss2, grads2 = _run(2, name)
     ps.destroy_model_parallel()  # the same two processes again, now tp=1 (dp=2)
     img1, txt1, loss1, grads1 = _run(1, name)
@@ -66,16 +64,44 @@ def _worker(rank, world, port, name, out_dir):
         # differed by 1.5e-6 once the patch embedding became a GEMM
         torch.testing.assert_close(grads2[n], grads1[n], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{n}: {m}")
-    torch.save({"ok": True}, os.path.join(out_dir, f"ok{rank}.pt"))
+
+
+def _worker(rank, world, port, names, out_dir):
+    """Each pair in turn in the same two processes; a failure is written down (and the next
+    pair still compared), so each test reports its own."""
+    import traceback
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for name in names:
+        try:
+            _compare(name)
+            result = "ok"
+        except AssertionError:
+            result = traceback.format_exc()
+        with open(os.path.join(out_dir, f"{name}-{rank}.txt"), "w") as f:
+            f.write(result)
 
 
 def _shapes(grads):
     return [(n, g.shape) for n, g in grads.items()]
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["clip_tiny_patch4_32", "siglip_tiny_patch4_32"])
-def test_tp2_equals_tp1(tmp_path, name):
+NAMES = ["clip_tiny_patch4_32", "siglip_tiny_patch4_32"]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """Both pairs compared in one spawn of two processes: the folder of their results."""
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(2, free_port(), name, str(tmp_path)), nprocs=2, join=True)
-    assert (tmp_path / "ok0.pt").exists() and (tmp_path / "ok1.pt").exists()
+    out = tmp_path_factory.mktemp("tp2")
+    mp.spawn(_worker, args=(2, free_port(), NAMES, str(out)), nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", NAMES)
+def test_tp2_equals_tp1(compared, name):
+    for rank in range(2):
+        result = compared / f"{name}-{rank}.txt"
+        assert result.is_file(), f"rank {rank} wrote no result for {name}"
+        assert result.read_text() == "ok", result.read_text()

@@ -230,20 +230,29 @@ def _losses(run_dir):
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
-def test_short_runs_from_a_timm_teacher_and_from_a_vitgraph_run(tmp_path):
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory):
+    """A vitgraph run of 5 steps: the teacher of this module's runs (its newest checkpoint)."""
+    run_dir = tmp_path_factory.mktemp("distill") / "teacher"
+    _train(run_dir, 5)
+    return run_dir
+
+
+def test_short_runs_from_a_timm_teacher_and_from_a_vitgraph_run(tmp_path, teacher_run):
     # a timm teacher (random init), mixup / cutmix on
     m = _train(tmp_path / "timm", 3, "train.distill.teacher=timm:test_vit",
                "data.augment.enabled=true", "data.augment.preset=deit",
                "data.augment.mix_prob=1.0")
-    assert m["step"] == 3 and all(math.isfinite(x) for x in _losses(tmp_path / "timm"))
+    losses = _losses(tmp_path / "timm")
+    assert m["step"] == 3 and len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert "distilling (soft, weight 0.5, T 1.0) from timm test_vit" in _log(tmp_path / "timm")
 
-    # a vitgraph run as the teacher: 5 steps, then distil from its newest checkpoint
-    _train(tmp_path / "teacher", 5)
-    m = _train(tmp_path / "student", 3, f"train.distill.teacher={tmp_path / 'teacher'}",
+    # a vitgraph run as the teacher: distil from its newest checkpoint
+    m = _train(tmp_path / "student", 3, f"train.distill.teacher={teacher_run}",
                "train.distill.kind=hard", "train.distill.weight=0.7",
                "data.augment.enabled=true")
-    assert m["step"] == 3 and all(math.isfinite(x) for x in _losses(tmp_path / "student"))
+    losses = _losses(tmp_path / "student")
+    assert m["step"] == 3 and len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert "step_000005 (step 5)" in _log(tmp_path / "student")
     # each logged record holds both terms, and the loss is their mix
     records = [r for r in map(json.loads, (tmp_path / "student" / "log.jsonl").read_text()
@@ -253,16 +262,16 @@ def test_short_runs_from_a_timm_teacher_and_from_a_vitgraph_run(tmp_path):
         assert r["loss"] == pytest.approx(0.3 * r["loss_task"] + 0.7 * r["loss_distill"], rel=1e-5)
     assert " | task " in _log(tmp_path / "student") and " | distill " in _log(tmp_path / "student")
     # without a teacher neither term is logged
-    assert "loss_task" not in json.loads((tmp_path / "teacher" / "metrics.json").read_text())
+    assert "loss_task" not in json.loads((teacher_run / "metrics.json").read_text())
 
     # weight 0: the same run as without a teacher (the teacher changes nothing else)
     _train(tmp_path / "plain", 2)
-    _train(tmp_path / "w0", 2, f"train.distill.teacher={tmp_path / 'teacher'}",
-           "train.distill.weight=0")
+    _train(tmp_path / "w0", 2, f"train.distill.teacher={teacher_run}", "train.distill.weight=0")
+    assert len(_losses(tmp_path / "plain")) == 2
     assert _losses(tmp_path / "w0") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-6)
 
 
-def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
+def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path, teacher_run):
     """The teacher built from a run directory computes what that run's model computes: as the
     student, initialised from the same checkpoint, its soft term is 0 and the loss
     (1 - weight) x the task loss. Another class count is a ConfigError."""
@@ -271,9 +280,8 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
     from vitgraph.plan import resolve
     from vitgraph.tasks.classification import ClassificationTask
     from vitgraph.convert.checkpoints import latest
-    _train(tmp_path / "teacher", 5)
     cfg = load_config(TINY, [*RUN, "train.steps=1", f"run.dir={tmp_path / 'student'}",
-                             f"train.distill.teacher={tmp_path / 'teacher'}",
+                             f"train.distill.teacher={teacher_run}",
                              "train.distill.weight=0.4", "train.distill.temperature=2"])
     plan = resolve(cfg, 1)
     d = init_distributed(plan)
@@ -282,7 +290,7 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
         task = ClassificationTask(plan, d)
         task.num_classes = 10
         (student,) = task.build_model()
-        sd, step = read_checkpoint_weights(latest(tmp_path / "teacher" / "checkpoints"))
+        sd, step = read_checkpoint_weights(latest(teacher_run / "checkpoints"))
         assert step == 5
         load_into_model(student, sd)
         student.eval()
@@ -315,7 +323,7 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def test_a_pipeline_parallel_student_distils_as_one_process(tmp_path):
+def test_a_pipeline_parallel_student_distils_as_one_process(tmp_path, teacher_run):
     """pp=2: the last stage prepares the (augmented) images itself and runs the teacher there,
     built whole (its layers for single-rank groups): the losses and gradient norms of one
     process. (tp=2 goes through the same group swap; run by hand it logs the same numbers.)"""
@@ -323,8 +331,7 @@ def test_a_pipeline_parallel_student_distils_as_one_process(tmp_path):
     import sys
 
     from conftest import clean_env, free_port
-    _train(tmp_path / "teacher", 5)
-    args = [f"train.distill.teacher={tmp_path / 'teacher'}", "train.distill.kind=hard",
+    args = [f"train.distill.teacher={teacher_run}", "train.distill.kind=hard",
             "data.augment.enabled=true", "model.spec=torch"]
     _train(tmp_path / "one", 2, *args)
 
@@ -339,4 +346,5 @@ def test_a_pipeline_parallel_student_distils_as_one_process(tmp_path):
            "train.steps=2", f"run.dir={run_dir}", "parallel.pp=2", *args]
     r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(records(tmp_path / "one")) == 4  # loss and gradient norm of steps 1, 2
     assert records(run_dir) == pytest.approx(records(tmp_path / "one"), rel=1e-5)

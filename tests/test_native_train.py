@@ -2,15 +2,12 @@
 (torchrun, gloo, fp32) on one process's loss curve, an exact resume, the eval in packs, and the
 torch spec's segment attention against a block-diagonal mask."""
 import json
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, clean_env, free_port, tiny_overrides
+from conftest import ROOT, loss_records, tiny_overrides, train_in_turn
 
 NATIVE = str(ROOT / "configs" / "vit-tiny-shapes-native.yaml")
 # 2 packs a step (one per rank at dp=2) of 512 tokens, images of at most 48 patches
@@ -19,41 +16,58 @@ PACKS = ["train.global_batch_size=2", "data.packing.tokens_per_microbatch=512",
 STEPS = 6
 
 
-def losses(run_dir) -> dict[int, float]:
-    recs = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+def run_args(run_dir, *extra: str) -> list[str]:
+    return [NATIVE, *tiny_overrides(run_dir, steps=STEPS, **{"train.log_every": 1,
+                                                              "data.num_train": 256,
+                                                              "data.num_val": 64}),
+            *PACKS, *extra]
 
 
-def run(run_dir, nproc: int = 1, *extra: str, steps: int = STEPS) -> dict[int, float]:
-    env = dict(clean_env(), OMP_NUM_THREADS="1")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-              "--master-addr", "127.0.0.1", "--master-port", str(free_port())] \
-        if nproc > 1 else [sys.executable]
-    cmd = [*launch, "-m", "vitgraph", "train", NATIVE,
-           *tiny_overrides(run_dir, steps=steps, **{"train.log_every": 1,
-                                                    "data.num_train": 256, "data.num_val": 64}),
-           *PACKS, *extra]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return losses(run_dir)
+def losses(run_dir, launch=None) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in loss_records(run_dir, launch)}
+
+
+LAYOUTS = {
+    "dp2": [],
+    "tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pp=2"],
+    "pp2-step-graphs": ["parallel.pp=2", "graphs.enabled=true", "graphs.scope=step",
+                        "graphs.warmup_steps=2"],
+}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("native-one") / "run")
+def runs(tmp_path_factory):
+    """name -> (run folder, launch): in this process the one-process run (saved at step 3
+    too) and its copy stopped after step 3 and resumed; the layouts in one launch of two."""
+    from vitgraph.cli import main
+    from train_in_turn import roll_back
+    root = tmp_path_factory.mktemp("native")
+    assert main(["train", *run_args(root / "one", "checkpoint.every=3", "checkpoint.keep=5")]) == 0
+    roll_back(root / "one", root / "resumed", 3)
+    assert main(["train", *run_args(root / "resumed")]) == 0
+    launch = train_in_turn(2, [{"args": run_args(root / name, *extra)}
+                               for name, extra in LAYOUTS.items()], root / "world2")
+    return {"one": (root / "one", None), "resumed": (root / "resumed", None),
+            **{name: (root / name, launch) for name in LAYOUTS}}
 
 
-def same_curve(got, ref, steps=None):
-    steps = steps or sorted(ref)
-    assert all(s in got for s in steps), (sorted(got), steps)
+@pytest.fixture(scope="module")
+def reference(runs):
+    return losses(runs["one"][0])
+
+
+def same_curve(got, ref, steps=range(1, STEPS + 1)):
+    steps = list(steps)
+    assert sorted(ref) == list(range(1, STEPS + 1)), sorted(ref)  # log_every=1
+    assert sorted(got) == steps, (sorted(got), steps)
     for s in steps:
         assert got[s] == pytest.approx(ref[s], rel=2e-4), (s, got, ref)
 
 
-def test_a_native_run_trains_in_packs_and_reports_them(reference, tmp_path_factory):
-    run_dir = next(p for p in tmp_path_factory.getbasetemp().glob("native-one*")) / "run"
-    recs = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
-    train = [r for r in recs if "loss" in r]
+def test_a_native_run_trains_in_packs_and_reports_them(runs):
+    run_dir = runs["one"][0]
+    train = loss_records(run_dir)
     assert len(train) == STEPS and all(r["real_tokens_per_s"] > 0 for r in train)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["eval_images"] == 64  # every held-out image once, in packs
@@ -62,30 +76,15 @@ def test_a_native_run_trains_in_packs_and_reports_them(reference, tmp_path_facto
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name, extra", [
-    ("dp2", []),
-    ("tp2-sp", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    ("pp2", ["parallel.pp=2"]),
-    ("pp2-step-graphs", ["parallel.pp=2", "graphs.enabled=true", "graphs.scope=step",
-                         "graphs.warmup_steps=2"]),
-])
-def test_native_layouts_match_one_process(tmp_path, reference, name, extra):
-    same_curve(run(tmp_path / name, 2, *extra), reference)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_native_layouts_match_one_process(runs, reference, name):
+    same_curve(losses(*runs[name]), reference)
 
 
-def test_a_resumed_native_run_packs_as_before(tmp_path, reference):
+def test_a_resumed_native_run_packs_as_before(runs, reference):
     """Stopped after step 3 (its checkpoint kept, the later one removed), resumed: steps 4-6
     are the uninterrupted run's (the packer's carry-over is in the checkpoint)."""
-    run_dir = tmp_path / "run"
-    run(run_dir, 1, "checkpoint.every=3", "checkpoint.keep=5")
-    ckpts = run_dir / "checkpoints"
-    shutil.rmtree(ckpts / f"step_{STEPS:06d}")
-    (ckpts / "latest").write_text("step_000003\n")
-    (run_dir / "metrics.json").unlink(missing_ok=True)
-    (run_dir / "log.jsonl").unlink()
-    got = run(run_dir, 1)
-    assert min(got) == 4
-    same_curve(got, reference, steps=[4, 5, 6])
+    same_curve(losses(runs["resumed"][0]), reference, steps=[4, 5, 6])
 
 
 def test_segment_attention_equals_a_block_diagonal_mask():
@@ -119,17 +118,15 @@ def test_segment_attention_rows_leave_the_later_segments_out():
     assert cut[17:].abs().max() == 0
 
 
-def test_a_native_runs_timm_export_is_naflexvit(reference, tmp_path_factory, tmp_path):
+def test_a_native_runs_timm_export_is_naflexvit(runs, tmp_path, capsys):
     """``vitgraph export --format timm`` of a native run writes timm's NaFlexVit: its
     config.json builds the model and the weights load strictly."""
     timm = pytest.importorskip("timm")
     from safetensors.torch import load_file
-    run_dir = next(p for p in tmp_path_factory.getbasetemp().glob("native-one*")) / "run"
+    from vitgraph.cli import main
     out = tmp_path / "model.safetensors"
-    r = subprocess.run([sys.executable, "-m", "vitgraph", "export", str(run_dir), "--format",
-                        "timm", "--out", str(out)], env=clean_env(), capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["export", str(runs["one"][0]), "--format", "timm", "--out", str(out)]) == 0, \
+        capsys.readouterr().err[-2000:]
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architecture"].startswith("naflexvit")
     model = timm.create_model(cfg["architecture"], pretrained=False,

@@ -1,17 +1,15 @@
 """Parallel layouts on CPU (torchrun, gloo, fp32): every layout trains the loss curve of one
 process for the same seed, with and without the graph manager (rerun backend), and a
 checkpoint saved at one layout resumes at another on the same curve."""
-import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env, free_port, tiny_overrides
+from conftest import ROOT, clean_env, free_port, loss_records, tiny_overrides, train_in_turn
 
 DEFAULT = str(ROOT / "configs" / "vit-tiny-shapes.yaml")
 # 32 images a step in 4 microbatches of 8 (per data-parallel rank: 32 / (8 x dp))
@@ -19,44 +17,34 @@ BATCH = ["train.global_batch_size=32", "train.micro_batch_size=8"]
 STEPS = 10
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+def run_args(run_dir: Path, *extra: str) -> list[str]:
+    return [DEFAULT, *tiny_overrides(run_dir, steps=STEPS, **{"train.log_every": 1}), *BATCH,
+            *extra]
 
 
-def torchrun(env, nproc: int, run_dir: Path, *extra: str, steps: int = STEPS) -> dict[int, float]:
-    e = dict(env, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vitgraph", "train", DEFAULT,
-           *tiny_overrides(run_dir, steps=steps, **{"train.log_every": 1}), *BATCH, *extra]
-    r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return losses(run_dir)
+def losses(run_dir: Path, launch=None) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in loss_records(run_dir, launch)}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process: the curve every layout must reproduce."""
-    return torchrun(clean_env(), 1, tmp_path_factory.mktemp("one") / "run")
-
-
-def assert_same_curve(got: dict, ref: dict, steps=None):
-    steps = steps or sorted(ref)
-    assert all(s in got for s in steps), (sorted(got), steps)
+def assert_same_curve(got: dict, ref: dict, steps=range(1, STEPS + 1)):
+    steps = list(steps)
+    assert sorted(ref) == list(range(1, STEPS + 1)), sorted(ref)  # log_every=1
+    assert sorted(got) == steps, (sorted(got), steps)
     for s in steps:  # fp32; only the order of reductions differs
         assert got[s] == pytest.approx(ref[s], rel=2e-4), (s, got, ref)
 
 
 # "fused": ResidualNormLayer (model.fused_norm=always; the one-process reference runs
 # megatron's layer, as auto picks for these small micro-batches)
+SAVE = ["checkpoint.every=5", "checkpoint.keep=5"]  # step 5: where the resume tests start
+FSDP = ["parallel.fsdp=true", "parallel.distributed_optimizer=false"]
 LAYOUTS = {
     "dp2": (2, []),
     "tp2-sp-graphs-fused": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                 "graphs.enabled=true", "graphs.warmup_steps=2",
                                 "model.fused_norm=always"]),
     "pp2-1f1b-graphs": (2, ["parallel.pp=2", "graphs.enabled=true", "graphs.warmup_steps=2"]),
-    "pp2-vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
+    "pp2-vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", *SAVE]),
     "pp2-vpp2-graphs-fused": (2, ["parallel.pp=2", "parallel.vpp=2", "graphs.enabled=true",
                                   "graphs.warmup_steps=2", "model.fused_norm=always"]),
     "pp2-vpp2-step-graphs": (2, ["parallel.pp=2", "parallel.vpp=2", "graphs.enabled=true",
@@ -64,69 +52,88 @@ LAYOUTS = {
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     # FSDP2 over gloo: weights, gradients and AdamW state in pieces over dp (uneven ones too:
     # the class token and the position grid have one row)
-    "dp2-fsdp": (2, ["parallel.fsdp=true", "parallel.distributed_optimizer=false"]),
-    "tp2-sp-dp2-fsdp": (4, ["parallel.tp=2", "parallel.sequence_parallel=true",
-                            "parallel.fsdp=true", "parallel.distributed_optimizer=false"]),
+    "dp2-fsdp": (2, [*FSDP, *SAVE]),
+    "tp2-sp-dp2-fsdp": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", *FSDP]),
     # megatron's block checkpoints each stage's layers under both pipeline schedules
     "pp2-1f1b-recompute-full": (2, ["parallel.pp=2", "train.recompute=full"]),
     "pp2-vpp2-recompute-block-graphs": (2, ["parallel.pp=2", "parallel.vpp=2",
                                             "train.recompute=full", "train.recompute_method=block",
                                             "graphs.enabled=true", "graphs.warmup_steps=2"]),
 }
+# resumed from a run's step-5 checkpoint (rolled back, as if it had stopped there) at another
+# layout: (the run saved, its world size), the resumed layout
+RESUMES = {
+    # saved at pp=2 x vpp=2 (interleaved), resumed at tp=2 with sequence parallel
+    "pp2-vpp2-to-tp2-sp": ("pp2-vpp2", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # FSDP's pieces are the checkpoint a plain run writes, both ways
+    "fsdp-to-ddp": ("dp2-fsdp", ["parallel.distributed_optimizer=false"]),
+    "one-to-fsdp": ("one-saved", FSDP),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this module, by name: one process in this one (the reference every
+    layout must reproduce, and a run saved for a resume at FSDP), then one launch per world
+    size (its layouts in turn, then the resumes). name -> (run folder, launch)."""
+    from vitgraph.cli import main
+    root = tmp_path_factory.mktemp("layouts")
+    out = {"one": (root / "one", None), "one-saved": (root / "one-saved", None)}
+    assert main(["train", *run_args(root / "one")]) == 0
+    assert main(["train", *run_args(root / "one-saved", "parallel.distributed_optimizer=false",
+                                    *SAVE)]) == 0
+    for world in (2, 4):
+        jobs = [(name, {"args": run_args(root / name, *extra)})
+                for name, (n, extra) in LAYOUTS.items() if n == world]
+        if world == 2:
+            jobs += [(name, {"args": run_args(root / name, *extra),
+                             "resume": {"from": str(root / saved), "step": 5}})
+                     for name, (saved, extra) in RESUMES.items()]
+        launch = train_in_turn(world, [job for _, job in jobs], root / f"world{world}")
+        out.update({name: (root / name, launch) for name, _ in jobs})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return losses(runs["one"][0])
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_one_process(tmp_path, env, reference, name):
-    nproc, extra = LAYOUTS[name]
-    got = torchrun(env, nproc, tmp_path / name, *extra)
-    assert_same_curve(got, reference)
-    if any("graphs.enabled=true" in x for x in extra):
-        recs = [json.loads(x) for x in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-        last = [r for r in recs if "loss" in r][-1]
+def test_layout_matches_one_process(runs, reference, name):
+    run_dir, launch = runs[name]
+    assert_same_curve(losses(run_dir, launch), reference)
+    if any("graphs.enabled=true" in x for x in LAYOUTS[name][1]):
+        last = loss_records(run_dir)[-1]
         assert last["graphs_replays"] > 0, last
 
 
 @pytest.mark.multiproc
-def test_checkpoint_resumes_at_another_layout(tmp_path, env, reference):
+def test_checkpoint_resumes_at_another_layout(runs, reference):
     """Saved at pp=2 x vpp=2 (interleaved), resumed at tp=2 with sequence parallel: the
     resumed steps continue the one-process curve."""
-    run_dir = tmp_path / "run"
-    torchrun(env, 2, run_dir, "parallel.pp=2", "parallel.vpp=2", "checkpoint.every=5",
-             "checkpoint.keep=5")
-    ckpts = run_dir / "checkpoints"
-    # roll the run back to its step-5 checkpoint, as if it had stopped there
-    shutil.rmtree(ckpts / f"step_{STEPS:06d}")
-    (ckpts / "latest").write_text("step_000005\n")
-    (run_dir / "metrics.json").unlink(missing_ok=True)
-    (run_dir / "log.jsonl").unlink()
-    got = torchrun(env, 2, run_dir, "parallel.tp=2", "parallel.sequence_parallel=true")
-    assert min(got) == 6
-    assert_same_curve(got, reference, steps=list(range(6, STEPS + 1)))
-
-
-FSDP = ["parallel.fsdp=true", "parallel.distributed_optimizer=false"]
+    assert_same_curve(losses(*runs["pp2-vpp2-to-tp2-sp"]), reference, range(6, STEPS + 1))
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("saved,resumed", [
-    ((2, FSDP), (2, ["parallel.distributed_optimizer=false"])),
-    ((1, ["parallel.distributed_optimizer=false"]), (2, FSDP)),
-], ids=["fsdp-to-ddp", "one-to-fsdp"])
-def test_checkpoint_resumes_across_fsdp(tmp_path, env, reference, saved, resumed):
+@pytest.mark.parametrize("name", ["fsdp-to-ddp", "one-to-fsdp"])
+def test_checkpoint_resumes_across_fsdp(runs, reference, name):
     """A checkpoint written by FSDP's pieces is the one a plain run writes: saved with
     parallel.fsdp and resumed without it, or the other way, the resumed steps continue the
     one-process curve (weights and AdamW state put back exactly)."""
-    run_dir = tmp_path / "run"
-    torchrun(env, saved[0], run_dir, *saved[1], "checkpoint.every=5", "checkpoint.keep=5")
-    ckpts = run_dir / "checkpoints"
-    shutil.rmtree(ckpts / f"step_{STEPS:06d}")
-    (ckpts / "latest").write_text("step_000005\n")
-    (run_dir / "metrics.json").unlink(missing_ok=True)
-    (run_dir / "log.jsonl").unlink()
-    got = torchrun(env, resumed[0], run_dir, *resumed[1])
-    assert min(got) == 6
-    assert_same_curve(got, reference, steps=list(range(6, STEPS + 1)))
+    assert_same_curve(losses(*runs[name]), reference, range(6, STEPS + 1))
+
+
+# torchrun giving the other workers 2 s after SIGTERM before SIGKILL when one fails (a stopped
+# worker never leaves on SIGTERM). torch 2.13 waits 30 s there: the workers' poll closes them
+# with close()'s default, not --shutdown-timeout.
+TORCHRUN_QUICK_KILL = (
+    "from torch.distributed.elastic.multiprocessing import api\n"
+    "close = api.PContext.close\n"
+    "api.PContext.close = lambda self, death_sig=None, timeout=2: close(self, death_sig, 2)\n"
+    "from torch.distributed.run import main\n"
+    "main()\n")
 
 
 @pytest.mark.multiproc
@@ -139,7 +146,7 @@ def test_a_stuck_rank_ends_the_run_within_the_timeout(tmp_path, env):
     import time
     from test_reliability import _children, _wait_for_steps
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-c", TORCHRUN_QUICK_KILL, "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "vitgraph", "train", DEFAULT,
            *tiny_overrides(run_dir, steps=300, **{"train.log_every": 1}), *BATCH,

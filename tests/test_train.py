@@ -36,7 +36,9 @@ def test_train_end_to_end_writes_metrics_and_run_dir(tmp_path, env):
                                                                  "train.tensorboard": "true"}))
     run_dir = tmp_path / "run"
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["step"] == 30 and 0.0 <= metrics["eval_top1"] <= 1.0
+    hits = metrics["eval_top1"] * 200  # a share of the 200 held-out images
+    assert metrics["step"] == 30 and metrics["eval_images"] == 200
+    assert 0 <= round(hits) <= 200 and hits == pytest.approx(round(hits), abs=1e-3), metrics
     assert str((run_dir / "metrics.json").resolve()) in r.stdout
     assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -446,7 +446,8 @@ def test_ddp_on_default_stream_fails_clearly():
 @pytest.mark.skipif(os.environ.get("VITGRAPH_GRAPH_SPEEDUP") != "1", reason="timing: set VITGRAPH_GRAPH_SPEEDUP=1")
 def test_small_batch_speedup_report():
     """Not an assertion of speed (bench.py is where speed is claimed): prints eager vs graphed
-    step time of the 2-layer block at micro-batch 2 so a regression is visible in the log."""
+    step time of the 2-layer block at micro-batch 2 so a regression is visible in the log, and
+    checks that the graphed time is of replays (no capture, no eager fallback in it)."""
     import time
 
     spec = "te" if HAVE_TE else "torch"
@@ -465,8 +466,13 @@ def test_small_batch_speedup_report():
 
     timed(graphed, 3)
     te_ = timed(eager, 20)
+    before = mgr.stats()
     tg = timed(graphed, 20)
+    after = mgr.stats()
     print(f"eager {te_ * 1e3:.3f} ms/step, graphed {tg * 1e3:.3f} ms/step, x{te_ / tg:.2f}")
+    assert after["captures"] == before["captures"], (before, after)
+    assert after["eager_fallbacks"] == before["eager_fallbacks"], (before, after)
+    assert after["replays"] - before["replays"] >= 20 * after["layers"], (before, after)
 
 
 # last: a failed capture can leave torch's RNG in capture mode for the rest of the process

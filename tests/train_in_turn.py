@@ -1,0 +1,66 @@
+"""Several ``vitgraph train`` runs in turn in one process per rank (one torchrun launch, or a
+plain process for a world of one): start-up (interpreter, torch, megatron-core, gloo) is paid
+once per world size instead of once per run.
+
+    python -m torch.distributed.run --nproc-per-node N tests/train_in_turn.py JOBS.json
+
+JOBS.json is a list of {"args": [the `vitgraph train` arguments]}; a job may also say
+{"resume": {"from": RUN_DIR, "step": K}}: rank 0 first copies RUN_DIR to the job's run.dir
+rolled back to its step-K checkpoint (later checkpoints, metrics and log removed), as if that
+run had stopped after step K. The default process group lives over all jobs (each run's
+shutdown still destroys its model-parallel groups; the next run makes new ones, as a second
+Trainer in one process does). The first job to fail ends the launch with its exit code, so
+torchrun stops every rank; the jobs after it have no log."""
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from vitgraph.cli import main
+
+
+def roll_back(src: Path, dst: Path, step: int) -> None:
+    shutil.copytree(src, dst)
+    ckpts = dst / "checkpoints"
+    for d in ckpts.glob("step_*"):
+        if int(d.name.split("_")[1].split(".")[0]) > step:
+            shutil.rmtree(d)
+    (ckpts / "latest").write_text(f"step_{step:06d}\n")
+    (dst / "metrics.json").unlink(missing_ok=True)
+    (dst / "log.jsonl").unlink()
+
+
+def run_dir(args: list[str]) -> Path:
+    return Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.dir=")))
+
+
+def run(jobs: list[dict]) -> int:
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+    try:
+        for job in jobs:
+            if "resume" in job:
+                if dist.is_initialized():
+                    dist.barrier()
+                if int(os.environ.get("RANK", "0")) == 0:
+                    roll_back(Path(job["resume"]["from"]), run_dir(job["args"]),
+                              job["resume"]["step"])
+                if dist.is_initialized():
+                    dist.barrier()  # no rank reads the folder before it is rolled back
+            code = main(["train", *job["args"]])
+            if code != 0:
+                print(f"train_in_turn: exit {code}: {' '.join(job['args'])}", file=sys.stderr,
+                      flush=True)
+                return code
+    finally:
+        dist.destroy_process_group = destroy
+    if dist.is_initialized():
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))
