@@ -444,7 +444,7 @@ NATIVE_SYSTEMS = {"vitgraph+packed": ("thd", None, "layer"),
                   "vitgraph+padded": ("padded", None, "layer"),
                   "vitgraph+padded+step-graphs": ("padded", "local", "step")}
 NATIVE_PEERS = ("timm-naflex", "timm-naflex+compile")
-NATIVE_MODELS = ("vit_b16_224", "vit_l16_224", "vit_so400m16_256", "vit_so400m14_384")
+NATIVE_MODELS = ("vit_b16_224", "vit_l16_224", "vit_so400m16_256", "vit_so400m14_378")
 
 
 def native_stream(n: int, seed: int, patch: int, max_patches: int, sides=(128, 512),

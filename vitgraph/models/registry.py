@@ -38,8 +38,8 @@ MODELS: dict[str, ViTArch] = {
     # vit_so400m_patch16_siglip_256; at 384 px, 27 x 27 patches: the image encoder of
     # PaliGemma, LLaVA-OneVision and Idefics)
     "vit_so400m_patch14_224": ViTArch(1152, 27, 16, 4304, 14, 224),
-    # 378 = 27 x 14: SigLIP's 384 px input in whole patches (timm drops the remainder)
-    "vit_so400m_patch14_384": ViTArch(1152, 27, 16, 4304, 14, 378),
+    # SigLIP's 384 px tower (timm vit_so400m_patch14_siglip_384) in whole patches: 27 x 14
+    "vit_so400m_patch14_378": ViTArch(1152, 27, 16, 4304, 14, 378),
     "vit_so400m_patch16_256": ViTArch(1152, 27, 16, 4304, 16, 256),
     # big towers (timm vit_giant_patch14_224 / open_clip ViT-bigG-14 / InternViT-6B's geometry);
     # at these sizes train.recompute decides what fits (vitgraph plan)
@@ -55,7 +55,7 @@ ALIASES = {
     "vit_h14_224": "vit_huge_patch14_224",
     "vit_s16_224": "vit_small_patch16_224",
     "vit_so400m14_224": "vit_so400m_patch14_224",
-    "vit_so400m14_384": "vit_so400m_patch14_384",
+    "vit_so400m14_378": "vit_so400m_patch14_378",
     "vit_so400m16_256": "vit_so400m_patch16_256",
     "vit_g14_224": "vit_giant_patch14_224",
     "vit_bigG14_224": "vit_gigantic_patch14_224",
