@@ -4,8 +4,8 @@ pp splits the layers and holds microbatches in flight), recompute drops what it 
 largest micro-batch is the edge of the budget, and the CLI says what does not fit and what
 would."""
 import json
-import subprocess
-import sys
+import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,7 +13,7 @@ from vitgraph.memory import (GIB, Layout, in_flight, largest_micro_batch, layer_
                              model_of, plan_memory)
 from vitgraph.models.build import Recompute
 
-from conftest import ROOT, clean_env
+from conftest import ROOT
 
 TINY = ROOT / "configs" / "vit-tiny-shapes.yaml"
 G14 = ROOT / "configs" / "vit-g14-imagefolder.yaml"
@@ -120,14 +120,25 @@ def test_largest_micro_batch_is_the_edge_of_the_budget(g14):
     assert largest_micro_batch(cfg, g14, Layout(), 10 * GIB) == 0  # the weights alone: 17 GiB
 
 
-def _plan(*args):
-    # a process of its own world (this one's may have set torchrun's variables)
-    return subprocess.run([sys.executable, "-m", "vitgraph", "plan", *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=clean_env())
+@pytest.fixture
+def plan(monkeypatch, capsys):
+    """``vitgraph plan ARGS`` in this process, as a world of its own (an earlier in-process
+    run leaves torchrun's variables set); the CUDA_VISIBLE_DEVICES it sets is put back."""
+    from vitgraph.cli import main
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+    def run(*args) -> SimpleNamespace:
+        capsys.readouterr()
+        code = main(["plan", *map(str, args)])
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run
 
 
-def test_cli_says_what_would_fit():
-    r = _plan(ROOT / "configs" / "vit-6b-imagefolder.yaml", "train.recompute=none",
+def test_cli_says_what_would_fit(plan):
+    r = plan(ROOT / "configs" / "vit-6b-imagefolder.yaml", "train.recompute=none",
               "--gpu-mem", "80")
     assert r.returncode == 1, r.stderr
     assert "DOES NOT FIT" in r.stdout
@@ -137,16 +148,16 @@ def test_cli_says_what_would_fit():
     assert "parallel.tp=5" in would and "parallel.pp=3" in would and "data-parallel ranks" in would
 
 
-def test_cli_json_of_a_folder_config_needs_no_folder():
-    r = _plan(G14, "--gpus", "8", "--json")
+def test_cli_json_of_a_folder_config_needs_no_folder(plan):
+    r = plan(G14, "--gpus", "8", "--json")
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
     assert j["layout"]["dp"] == 8 and j["fits"] and j["graphs"] == "step"
     assert j["largest_micro_batch"] > 128 and j["stages"][0]["params"] == j["parameters"]
 
 
-def test_cli_names_a_bad_layout():
-    r = _plan(G14, "parallel.tp=3", "--gpus", "8")
+def test_cli_names_a_bad_layout(plan):
+    r = plan(G14, "parallel.tp=3", "--gpus", "8")
     assert r.returncode == 2 and "parallel.tp" in r.stderr
 
 
@@ -164,8 +175,8 @@ def test_fsdp_shards_weights_gradients_and_state_over_dp(g14):
     assert fsdp.activations == one.activations
 
 
-def test_cli_offers_fsdp_where_it_fits():
-    r = _plan(ROOT / "configs" / "vit-6b-imagefolder.yaml", "--gpu-mem", "40")
+def test_cli_offers_fsdp_where_it_fits(plan):
+    r = plan(ROOT / "configs" / "vit-6b-imagefolder.yaml", "--gpu-mem", "40")
     assert r.returncode == 1, r.stderr
     would = r.stdout.split("would fit: ")[1]
     assert "parallel.fsdp=true on 4 data-parallel ranks" in would, would
