@@ -57,11 +57,10 @@ def test_siglip_loss_one_process():
     assert siglip_loss(eye, eye.roll(1, 0), scale, torch.tensor(-5.0)).item() > 9.0
 
 
-def _worker(rank, world, init_file, out_dir):
-    """One data-parallel rank of ``world``: loss and gradients equal the full-batch ones."""
+def _check(rank, world, group):
+    """One data-parallel rank of ``world`` (``rank`` within ``group``): loss and gradients
+    equal the full-batch ones."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"file://{init_file}")
     torch.manual_seed(0)  # the same data and weights on every rank
     n, b = 8, 8 // world
     x_img, x_txt = torch.randn(n, 5), torch.randn(n, 7)
@@ -81,38 +80,63 @@ def _worker(rank, world, init_file, out_dir):
         ref_grads = [p.grad.clone() for p in (*wi.parameters(), *wt.parameters(), s, bias)
                      if p.grad is not None]
 
-        # this rank's slice, negatives from the other rank
+        # this rank's slice, negatives from the other ranks
         wi, wt, s, bias = make()
         sl = slice(rank * b, (rank + 1) * b)
         img, txt = F.normalize(wi(x_img[sl]), dim=-1), F.normalize(wt(x_txt[sl]), dim=-1)
         if kind == "clip":
-            loss = clip_loss(img, txt, s.exp())
+            loss = clip_loss(img, txt, s.exp(), group=group)
         else:
             exchange = "all_gather" if kind == "siglip-all-gather" else "ring"
-            loss = siglip_loss(img, txt, s.exp(), bias, exchange=exchange)
+            loss = siglip_loss(img, txt, s.exp(), bias, group=group, exchange=exchange)
         loss.backward()
         params = [p for p in (*wi.parameters(), *wt.parameters(), s, bias) if p.grad is not None]
         assert len(params) == len(ref_grads), kind
         mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
+        dist.all_reduce(mean_loss, group=group)
         mean_loss /= world
         assert mean_loss.item() == pytest.approx(ref.item(), rel=1e-5), (kind, rank)
         # (the local loss alone is not the reference: the test can tell them apart)
         assert loss.item() != pytest.approx(ref.item(), rel=1e-3)
         for p, want in zip(params, ref_grads):
             g = p.grad.clone()
-            dist.all_reduce(g)  # data-parallel mean of the gradients, as DDP
+            dist.all_reduce(g, group=group)  # data-parallel mean of the gradients, as DDP
             g /= world
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
-    torch.save({"rank": rank}, os.path.join(out_dir, f"ok{rank}.pt"))
+
+
+def _worker(rank, init_file, out_dir):
+    """Four processes: dp=4 over all of them, then dp=2 in two groups of two (ranks 0-1 and
+    2-3, each its own data-parallel world, as with tp=2). A failed check is written down."""
+    import traceback
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=4, init_method=f"file://{init_file}")
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    for world, group, r in ((4, dist.group.WORLD, rank), (2, pairs[rank // 2], rank % 2)):
+        try:
+            _check(r, world, group)
+            result = "ok"
+        except AssertionError:
+            result = traceback.format_exc()
+        with open(os.path.join(out_dir, f"dp{world}-rank{rank}.txt"), "w") as f:
+            f.write(result)
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    import torch.multiprocessing as mp
+    out = tmp_path_factory.mktemp("dp")
+    mp.spawn(_worker, args=(str(out / "rdzv"), str(out)), nprocs=4, join=True)
+    return out
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
-def test_dp_matches_one_process_on_the_full_batch(tmp_path, world):
+def test_dp_matches_one_process_on_the_full_batch(checked, world):
     """dp=2, and dp=4 (the ring then has more than one hop)."""
-    import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(world, str(tmp_path / "rdzv"), str(tmp_path)), nprocs=world,
-             join=True)
-    assert all((tmp_path / f"ok{r}.pt").exists() for r in range(world))
+    for rank in range(4):
+        result = checked / f"dp{world}-rank{rank}.txt"
+        assert result.is_file(), f"rank {rank} wrote no result for dp={world}"
+        assert result.read_text() == "ok", result.read_text()
