@@ -91,26 +91,62 @@ def clean_env() -> dict:
 def train_in_turn(nproc: int, jobs: list[dict], work: Path,
                   timeout: int = 1200) -> subprocess.CompletedProcess:
     """``jobs`` (tests/train_in_turn.py: `vitgraph train` arguments, optionally a resume from
-    another job's checkpoint) one after another in one launch of ``nproc`` processes; a
-    plain process for one."""
+    another job's checkpoint) one after another in one torchrun launch of ``nproc``."""
     work.mkdir(parents=True, exist_ok=True)
     spec = work / "jobs.json"
     spec.write_text(json.dumps(jobs))
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-              "--master-addr", "127.0.0.1", "--master-port", str(free_port())] \
-        if nproc > 1 else [sys.executable]
-    return subprocess.run([*launch, str(ROOT / "tests" / "train_in_turn.py"), str(spec)],
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                           str(free_port()), str(ROOT / "tests" / "train_in_turn.py"), str(spec)],
                           env=dict(clean_env(), OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="session")
+def launched(request, tmp_path_factory) -> dict[str, dict[str, tuple]]:
+    """The training runs of every collected module that defines ``launch_jobs(root)`` (world
+    size -> [(name, train_in_turn job)], run folders under ``root``): those of world 1 in
+    this process, first and in order (what later jobs resume from or distil from), then one
+    torchrun launch per larger world size for all modules' jobs: a launch's start-up (the
+    interpreters, torch, megatron-core: ~9 s of CPU per rank) is paid once per world size in
+    the session. module name -> job name -> (run folder, launch; None in this process).
+    A module's launched jobs need one of its collected tests marked multiproc."""
+    import train_in_turn as turn
+    items = [i for i in request.session.items if hasattr(i.module, "launch_jobs")]
+    modules = sorted({i.module for i in items}, key=lambda m: m.__name__)
+    multiproc = {i.module for i in items if "multiproc" in i.keywords}  # -m "not multiproc"
+    by_world: dict[int, list] = {}
+    for module in modules:
+        root = tmp_path_factory.mktemp(module.__name__)
+        for world, jobs in module.launch_jobs(root).items():
+            if world == 1 or module in multiproc:
+                by_world.setdefault(world, []).extend((module.__name__, n, j) for n, j in jobs)
+    out: dict[str, dict[str, tuple]] = {m.__name__: {} for m in modules}
+    for world, jobs in sorted(by_world.items()):
+        if world == 1:
+            code = turn.run([job for _, _, job in jobs])
+            launch = None if code == 0 else subprocess.CompletedProcess(
+                [], code, "", f"a job of this process exited {code}; the later ones did not run")
+        else:
+            launch = train_in_turn(world, [job for _, _, job in jobs],
+                                   tmp_path_factory.mktemp(f"world{world}"))
+        for module, name, job in jobs:
+            out[module][name] = (turn.run_dir(job["args"]), launch)
+    return out
+
+
 def loss_records(run_dir: Path, launch: subprocess.CompletedProcess | None = None) -> list[dict]:
     """The training records of a run's log.jsonl; a missing log fails the test with the
-    output of the launch that should have written it."""
+    output of the launch that should have written it (or the run's train.log)."""
     log = Path(run_dir) / "log.jsonl"
     if not log.is_file():
-        detail = "" if launch is None else \
-            f" (launch exit {launch.returncode}):\n{launch.stdout[-3000:]}\n{launch.stderr[-5000:]}"
+        if launch is not None:
+            detail = f" (launch exit {launch.returncode}):\n{launch.stdout[-3000:]}\n" \
+                     f"{launch.stderr[-5000:]}"
+        elif (Path(run_dir) / "train.log").is_file():
+            detail = ":\n" + (Path(run_dir) / "train.log").read_text()[-5000:]
+        else:
+            detail = ""
         pytest.fail(f"{log} was not written{detail}")
     return [r for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT
+from conftest import ROOT, loss_records
 from vitgraph.config import ConfigError, load_config
 from vitgraph.tasks.distill import ForwardGraphs, Teacher, build_teacher, hard_loss, soft_loss
 
@@ -230,12 +230,25 @@ def _losses(run_dir):
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
+# the student's distillation settings in the pp=2 comparison
+PP_STUDENT = ["train.distill.kind=hard", "data.augment.enabled=true", "model.spec=torch"]
+
+
+def launch_jobs(root: Path) -> dict[int, list]:
+    """This module's runs (conftest.launched): in one process a vitgraph run of 5 steps, the
+    teacher of the module's runs (its newest checkpoint), and a 2-step student of it; the
+    same student at pp=2."""
+    def job(name, steps, *extra):
+        return name, {"args": [str(TINY), *RUN, f"train.steps={steps}", f"run.dir={root / name}",
+                               *extra]}
+    student = [f"train.distill.teacher={root / 'teacher'}", *PP_STUDENT]
+    return {1: [job("teacher", 5), job("one", 2, *student)],
+            2: [job("pp2", 2, "parallel.pp=2", *student)]}
+
+
 @pytest.fixture(scope="module")
-def teacher_run(tmp_path_factory):
-    """A vitgraph run of 5 steps: the teacher of this module's runs (its newest checkpoint)."""
-    run_dir = tmp_path_factory.mktemp("distill") / "teacher"
-    _train(run_dir, 5)
-    return run_dir
+def teacher_run(launched):
+    return launched[__name__]["teacher"][0]
 
 
 def test_short_runs_from_a_timm_teacher_and_from_a_vitgraph_run(tmp_path, teacher_run):
@@ -323,28 +336,15 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path, t
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def test_a_pipeline_parallel_student_distils_as_one_process(tmp_path, teacher_run):
+@pytest.mark.multiproc
+def test_a_pipeline_parallel_student_distils_as_one_process(launched):
     """pp=2: the last stage prepares the (augmented) images itself and runs the teacher there,
     built whole (its layers for single-rank groups): the losses and gradient norms of one
     process. (tp=2 goes through the same group swap; run by hand it logs the same numbers.)"""
-    import subprocess
-    import sys
+    runs = launched[__name__]
 
-    from conftest import clean_env, free_port
-    args = [f"train.distill.teacher={teacher_run}", "train.distill.kind=hard",
-            "data.augment.enabled=true", "model.spec=torch"]
-    _train(tmp_path / "one", 2, *args)
+    def records(name):
+        return [x for r in loss_records(*runs[name]) for x in (r["loss"], r["grad_norm"])]
 
-    def records(run_dir):
-        lines = (Path(run_dir) / "log.jsonl").read_text().splitlines()
-        return [x for r in map(json.loads, lines) if "loss" in r
-                for x in (r["loss"], r["grad_norm"])]
-
-    run_dir = tmp_path / "pp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "vitgraph", "train", str(TINY), *RUN,
-           "train.steps=2", f"run.dir={run_dir}", "parallel.pp=2", *args]
-    r = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert len(records(tmp_path / "one")) == 4  # loss and gradient norm of steps 1, 2
-    assert records(run_dir) == pytest.approx(records(tmp_path / "one"), rel=1e-5)
+    assert len(records("one")) == 4  # loss and gradient norm of steps 1, 2
+    assert records("pp2") == pytest.approx(records("one"), rel=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, loss_records, tiny_overrides, train_in_turn
+from conftest import ROOT, loss_records, tiny_overrides
 
 NATIVE = str(ROOT / "configs" / "vit-tiny-shapes-native.yaml")
 # 2 packs a step (one per rank at dp=2) of 512 tokens, images of at most 48 patches
@@ -36,20 +36,19 @@ LAYOUTS = {
 }
 
 
+def launch_jobs(root) -> dict[int, list]:
+    """This module's runs (conftest.launched): in one process the one-process run (saved at
+    step 3 too) and its copy stopped after step 3 and resumed; the layouts at two."""
+    return {1: [("one", {"args": run_args(root / "one", "checkpoint.every=3",
+                                          "checkpoint.keep=5")}),
+                ("resumed", {"args": run_args(root / "resumed"),
+                             "resume": {"from": str(root / "one"), "step": 3}})],
+            2: [(name, {"args": run_args(root / name, *extra)}) for name, extra in LAYOUTS.items()]}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """name -> (run folder, launch): in this process the one-process run (saved at step 3
-    too) and its copy stopped after step 3 and resumed; the layouts in one launch of two."""
-    from vitgraph.cli import main
-    from train_in_turn import roll_back
-    root = tmp_path_factory.mktemp("native")
-    assert main(["train", *run_args(root / "one", "checkpoint.every=3", "checkpoint.keep=5")]) == 0
-    roll_back(root / "one", root / "resumed", 3)
-    assert main(["train", *run_args(root / "resumed")]) == 0
-    launch = train_in_turn(2, [{"args": run_args(root / name, *extra)}
-                               for name, extra in LAYOUTS.items()], root / "world2")
-    return {"one": (root / "one", None), "resumed": (root / "resumed", None),
-            **{name: (root / name, launch) for name in LAYOUTS}}
+def runs(launched):
+    return launched[__name__]
 
 
 @pytest.fixture(scope="module")

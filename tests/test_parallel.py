@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env, free_port, loss_records, tiny_overrides, train_in_turn
+from conftest import ROOT, clean_env, free_port, loss_records, tiny_overrides
 
 DEFAULT = str(ROOT / "configs" / "vit-tiny-shapes.yaml")
 # 32 images a step in 4 microbatches of 8 (per data-parallel rank: 32 / (8 x dp))
@@ -71,27 +71,23 @@ RESUMES = {
 }
 
 
+def launch_jobs(root: Path) -> dict[int, list]:
+    """This module's runs (conftest.launched): in one process the reference every layout must
+    reproduce and a run saved for a resume at FSDP; each layout at its world size; the
+    resumes (after the layouts they start from)."""
+    def job(name, *extra, resume=None):
+        return name, {"args": run_args(root / name, *extra),
+                      **({"resume": {"from": str(root / resume), "step": 5}} if resume else {})}
+    jobs = {1: [job("one"), job("one-saved", "parallel.distributed_optimizer=false", *SAVE)]}
+    for name, (world, extra) in LAYOUTS.items():
+        jobs.setdefault(world, []).append(job(name, *extra))
+    jobs[2] += [job(name, *extra, resume=saved) for name, (saved, extra) in RESUMES.items()]
+    return jobs
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every run of this module, by name: one process in this one (the reference every
-    layout must reproduce, and a run saved for a resume at FSDP), then one launch per world
-    size (its layouts in turn, then the resumes). name -> (run folder, launch)."""
-    from vitgraph.cli import main
-    root = tmp_path_factory.mktemp("layouts")
-    out = {"one": (root / "one", None), "one-saved": (root / "one-saved", None)}
-    assert main(["train", *run_args(root / "one")]) == 0
-    assert main(["train", *run_args(root / "one-saved", "parallel.distributed_optimizer=false",
-                                    *SAVE)]) == 0
-    for world in (2, 4):
-        jobs = [(name, {"args": run_args(root / name, *extra)})
-                for name, (n, extra) in LAYOUTS.items() if n == world]
-        if world == 2:
-            jobs += [(name, {"args": run_args(root / name, *extra),
-                             "resume": {"from": str(root / saved), "step": 5}})
-                     for name, (saved, extra) in RESUMES.items()]
-        launch = train_in_turn(world, [job for _, job in jobs], root / f"world{world}")
-        out.update({name: (root / name, launch) for name, _ in jobs})
-    return out
+def runs(launched):
+    return launched[__name__]
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,12 @@
 """The task layer: one Trainer, a task supplies the model, the batch and the loss. Contrastive
 (CLIP / SigLIP) training on CPU end to end, its config errors, and dp=2 against one process."""
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, free_port, tiny_overrides
+from conftest import ROOT, loss_records, tiny_overrides
 from vitgraph.cli import main
 
 CLIP = ROOT / "configs" / "clip-tiny-shapes.yaml"
@@ -145,26 +144,23 @@ def test_contrastive_needs_captions(tmp_path, capsys):
     assert "no captions" in capsys.readouterr().err
 
 
+def launch_jobs(root) -> dict[int, list]:
+    """This module's runs (conftest.launched): the same 6 steps of 32 pairs in one process
+    and over two data-parallel ranks of 16."""
+    def job(nproc, name):
+        return name, {"args": [str(CLIP), *tiny_overrides(root / name, steps=6,
+                                                          **{"train.log_every": 1}),
+                               *FAST, "train.global_batch_size=32",
+                               f"train.micro_batch_size={32 // nproc}"]}
+    return {1: [job(1, "one")], 2: [job(2, "two")]}
+
+
 @pytest.mark.multiproc
-def test_contrastive_dp2_matches_one_process(tmp_path):
+def test_contrastive_dp2_matches_one_process(launched):
     """Negatives gathered over data-parallel ranks: two ranks of 16 pairs follow one process
     of 32 (fp32, CPU, same seed), step for step."""
-    def train(nproc, name):
-        run = tmp_path / name
-        args = [str(CLIP), *tiny_overrides(run, steps=6, **{"train.log_every": 1}), *FAST,
-                "train.global_batch_size=32", "train.micro_batch_size=" + str(32 // nproc)]
-        if nproc == 1:  # in this process
-            assert main(["train", *args]) == 0
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                   "-m", "vitgraph", "train", *args]
-            r = subprocess.run(cmd, env=dict(clean_env(), OMP_NUM_THREADS="1"),
-                               capture_output=True, text=True, timeout=600)
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        return {x["step"]: (x["loss"], x["grad_norm"]) for x in log_of(run) if "loss" in x}
-
-    one, two = train(1, "one"), train(2, "two")
+    one, two = ({x["step"]: (x["loss"], x["grad_norm"])
+                 for x in loss_records(*launched[__name__][name])} for name in ("one", "two"))
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for s in one:
         assert two[s][0] == pytest.approx(one[s][0], rel=1e-4), (s, one, two)

@@ -1,6 +1,6 @@
-"""Several ``vitgraph train`` runs in turn in one process per rank (one torchrun launch, or a
-plain process for a world of one): start-up (interpreter, torch, megatron-core, gloo) is paid
-once per world size instead of once per run.
+"""Several ``vitgraph train`` runs in turn in one process per rank (one torchrun launch, or
+run() in the pytest process for a world of one): start-up (interpreter, torch, megatron-core,
+gloo) is paid once per world size instead of once per run.
 
     python -m torch.distributed.run --nproc-per-node N tests/train_in_turn.py JOBS.json
 
