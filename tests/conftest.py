@@ -131,8 +131,35 @@ def launched(request, tmp_path_factory) -> dict[str, dict[str, tuple]]:
             launch = train_in_turn(world, [job for _, _, job in jobs],
                                    tmp_path_factory.mktemp(f"world{world}"))
         for module, name, job in jobs:
-            out[module][name] = (turn.run_dir(job["args"]), launch)
+            out[module][name] = (turn.run_dir(job), launch)
     return out
+
+
+def launch_output(launch: subprocess.CompletedProcess) -> str:
+    return f" (launch exit {launch.returncode}):\n{launch.stdout[-3000:]}\n{launch.stderr[-5000:]}"
+
+
+def write_result(out: str, name: str, check, *args) -> None:
+    """For a call job (tests/train_in_turn.py): run ``check(*args)`` on this rank and write
+    ``out/name``: "ok", or the traceback of its failed assertion (the other checks of the
+    launch still run; their collectives come before their assertions)."""
+    import traceback
+    try:
+        check(*args)
+        result = "ok"
+    except AssertionError:
+        result = traceback.format_exc()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / name).write_text(result)
+
+
+def assert_results(out: Path, launch: subprocess.CompletedProcess, names: list[str]) -> None:
+    """What write_result wrote under ``out``: each of ``names`` there and "ok"."""
+    for name in names:
+        f = Path(out) / name
+        if not f.is_file():
+            pytest.fail(f"{f} was not written{launch_output(launch)}")
+        assert f.read_text() == "ok", f.read_text()
 
 
 def loss_records(run_dir: Path, launch: subprocess.CompletedProcess | None = None) -> list[dict]:
@@ -141,8 +168,7 @@ def loss_records(run_dir: Path, launch: subprocess.CompletedProcess | None = Non
     log = Path(run_dir) / "log.jsonl"
     if not log.is_file():
         if launch is not None:
-            detail = f" (launch exit {launch.returncode}):\n{launch.stdout[-3000:]}\n" \
-                     f"{launch.stderr[-5000:]}"
+            detail = launch_output(launch)
         elif (Path(run_dir) / "train.log").is_file():
             detail = ":\n" + (Path(run_dir) / "train.log").read_text()[-5000:]
         else:

@@ -1,11 +1,9 @@
 """CLIP towers split over two tensor-parallel ranks (gloo, CPU) compute what one rank does:
 the same features, loss and gradients, from the same seed."""
-import os
-
 import pytest
 import torch
 
-from conftest import ROOT, free_port
+from conftest import ROOT, assert_results, write_result
 
 
 def _gather_tp(p: torch.Tensor, grad: torch.Tensor, group) -> torch.Tensor:
@@ -66,20 +64,12 @@ def _compare(name):
                                    msg=lambda m: f"{n}: {m}")
 
 
-def _worker(rank, world, port, names, out_dir):
-    """Each pair in turn in the same two processes; a failure is written down (and the next
-    pair still compared), so each test reports its own."""
-    import traceback
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def compare_pairs(out: str, names: list[str]) -> None:
+    """A call job of the session's launch of two (conftest.launched): each pair in turn in
+    the same two processes, a result per pair and rank."""
+    import torch.distributed as dist
     for name in names:
-        try:
-            _compare(name)
-            result = "ok"
-        except AssertionError:
-            result = traceback.format_exc()
-        with open(os.path.join(out_dir, f"{name}-{rank}.txt"), "w") as f:
-            f.write(result)
+        write_result(out, f"{name}-{dist.get_rank()}", _compare, name)
 
 
 def _shapes(grads):
@@ -89,19 +79,12 @@ def _shapes(grads):
 NAMES = ["clip_tiny_patch4_32", "siglip_tiny_patch4_32"]
 
 
-@pytest.fixture(scope="module")
-def compared(tmp_path_factory):
-    """Both pairs compared in one spawn of two processes: the folder of their results."""
-    import torch.multiprocessing as mp
-    out = tmp_path_factory.mktemp("tp2")
-    mp.spawn(_worker, args=(2, free_port(), NAMES, str(out)), nprocs=2, join=True)
-    return out
+def launch_jobs(root) -> dict[int, list]:
+    return {2: [("tp2", {"call": "test_clip_parallel:compare_pairs",
+                         "kwargs": {"out": str(root / "tp2"), "names": NAMES}})]}
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", NAMES)
-def test_tp2_equals_tp1(compared, name):
-    for rank in range(2):
-        result = compared / f"{name}-{rank}.txt"
-        assert result.is_file(), f"rank {rank} wrote no result for {name}"
-        assert result.read_text() == "ok", result.read_text()
+def test_tp2_equals_tp1(launched, name):
+    assert_results(*launched[__name__]["tp2"], [f"{name}-0", f"{name}-1"])

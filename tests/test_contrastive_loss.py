@@ -1,13 +1,12 @@
 """CLIP and SigLIP losses: against direct full-batch formulas in one process, and over dp=2
-(gloo, two spawned processes) against one process on the full batch, loss and gradients."""
-import os
-
+and dp=4 (gloo, the session's launch of four) against one process on the full batch, loss and
+gradients."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_results, write_result
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
-
 
 
 def reference_clip(img, txt, scale):
@@ -105,38 +104,24 @@ def _check(rank, world, group):
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
 
 
-def _worker(rank, init_file, out_dir):
-    """Four processes: dp=4 over all of them, then dp=2 in two groups of two (ranks 0-1 and
-    2-3, each its own data-parallel world, as with tp=2). A failed check is written down."""
-    import traceback
-
+def check_dp(out: str) -> None:
+    """A call job of the session's launch of four (conftest.launched): dp=4 over all of
+    them, then dp=2 in two groups of two (ranks 0-1 and 2-3, each its own data-parallel
+    world, as with tp=2)."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=4, init_method=f"file://{init_file}")
+    rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for world, group, r in ((4, dist.group.WORLD, rank), (2, pairs[rank // 2], rank % 2)):
-        try:
-            _check(r, world, group)
-            result = "ok"
-        except AssertionError:
-            result = traceback.format_exc()
-        with open(os.path.join(out_dir, f"dp{world}-rank{rank}.txt"), "w") as f:
-            f.write(result)
-    dist.destroy_process_group()
+        write_result(out, f"dp{world}-rank{rank}", _check, r, world, group)
 
 
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory):
-    import torch.multiprocessing as mp
-    out = tmp_path_factory.mktemp("dp")
-    mp.spawn(_worker, args=(str(out / "rdzv"), str(out)), nprocs=4, join=True)
-    return out
+def launch_jobs(root) -> dict[int, list]:
+    return {4: [("dp", {"call": "test_contrastive_loss:check_dp",
+                        "kwargs": {"out": str(root / "dp")}})]}
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
-def test_dp_matches_one_process_on_the_full_batch(checked, world):
+def test_dp_matches_one_process_on_the_full_batch(launched, world):
     """dp=2, and dp=4 (the ring then has more than one hop)."""
-    for rank in range(4):
-        result = checked / f"dp{world}-rank{rank}.txt"
-        assert result.is_file(), f"rank {rank} wrote no result for dp={world}"
-        assert result.read_text() == "ok", result.read_text()
+    assert_results(*launched[__name__]["dp"], [f"dp{world}-rank{r}" for r in range(4)])

@@ -3,15 +3,13 @@ resume, a checkpoint without one, evaluation of both weights, export --ema, and 
 gather (torchrun, gloo)."""
 import json
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 
-from conftest import ROOT, checkpoint_tensors, clean_env, free_port, tiny_overrides
+from conftest import ROOT, assert_results, checkpoint_tensors, tiny_overrides, write_result
 from faults import nan_loss_at
 from vitgraph.cli import main
 
@@ -312,12 +310,11 @@ def test_gpu_ema_follows_the_fp32_master_weights_and_resumes(tmp_path, distribut
 
 # ---------------------------------------------------------------- dp shards (torchrun, gloo)
 
-def _gather_worker() -> None:
+def _gather() -> None:
     """Each of 2 ranks holds half of every parameter (as the distributed optimizer's shards:
     contiguous ranges of the flattened parameter, some empty); gather_shards rebuilds them."""
     import torch.distributed as dist
     from vitgraph.train.ema import _Entry, gather_shards
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     full = [torch.arange(12.0).view(3, 4), torch.arange(5.0) + 100, torch.tensor([7.0])]
     spans = [[(0, 5), (5, 12)], [(0, 5), (5, 5)], [(0, 0), (0, 1)]]  # rank 1: none of #2
@@ -328,19 +325,19 @@ def _gather_worker() -> None:
                               t.reshape(-1)[a:b] if b > a else None, (a, b), None))
     got = gather_shards(entries, dist.group.WORLD)
     assert all(torch.equal(g, t) for g, t in zip(got, full)), got
-    print(f"rank {rank} ok", flush=True)
-    dist.destroy_process_group()
+
+
+def gather_check(out: str) -> None:
+    """A call job of the session's launch of two (conftest.launched)."""
+    import torch.distributed as dist
+    write_result(out, f"rank{dist.get_rank()}", _gather)
+
+
+def launch_jobs(root) -> dict[int, list]:
+    return {2: [("gather", {"call": "test_ema:gather_check",
+                            "kwargs": {"out": str(root / "gather")}})]}
 
 
 @pytest.mark.multiproc
-def test_dp_shards_gather_into_full_tensors(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__, "--gather"]
-    r = subprocess.run(cmd, env=dict(clean_env(), OMP_NUM_THREADS="1"), capture_output=True,
-                       text=True, timeout=120, cwd=ROOT / "tests")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout
-
-
-if __name__ == "__main__" and "--gather" in sys.argv:
-    _gather_worker()
+def test_dp_shards_gather_into_full_tensors(launched):
+    assert_results(*launched[__name__]["gather"], ["rank0", "rank1"])

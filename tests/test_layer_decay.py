@@ -3,12 +3,11 @@ lr x decay^(L + 1 - i) and min_lr x the same, i its layer (0 the embeddings, L +
 one process and under pipeline stages (torchrun, gloo), where the index is the global one."""
 import json
 import re
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env, free_port, tiny_overrides
+from conftest import ROOT, launch_output, tiny_overrides
 
 DEFAULT = str(ROOT / "configs" / "vit-tiny-shapes.yaml")
 CLIP = str(ROOT / "configs" / "clip-tiny-shapes.yaml")
@@ -114,52 +113,46 @@ def test_each_tower_of_a_pair_decays_over_its_own_depth(tmp_path):
         t.close()
 
 
-WORKER = r'''
-import json, os, sys
-
-# a guard: megatron's checkpoint writer spawns a helper process that imports this file
-if __name__ == "__main__":
-    from vitgraph import set_hardware_queues
-    set_hardware_queues()
-    sys.path.insert(0, sys.argv[3])
-    from test_layer_decay import group_rows
+def pipeline_groups(out: str, overrides: list[str]) -> None:
+    """A call job of the session's launch of two (conftest.launched): this rank's groups and
+    rows, saved and read back by a resumed Trainer, into out/rank<r>.json."""
     from vitgraph.config import load_config
     from vitgraph.train.loop import Trainer
-    t = Trainer(load_config(sys.argv[1], sys.argv[4:]))
+    t = Trainer(load_config(DEFAULT, overrides))
     t.scheduler.step(7)
-    out = {"rank": t.d.rank, "pp_rank": t.d.pp_rank, "base": t.scheduler.get_lr({}),
-           "groups": [(g["max_lr"], g["wd_mult"]) for g in t.optimizer.param_groups],
-           "rows": group_rows(t), "lr": t.plan.optim.lr, "min_lr": t.plan.optim.min_lr}
-    t.checkpointer.save(t.step)  # the frozen layer's slice of the stacked optimizer state is filled in
+    result = {"rank": t.d.rank, "pp_rank": t.d.pp_rank, "base": t.scheduler.get_lr({}),
+              "groups": [(g["max_lr"], g["wd_mult"]) for g in t.optimizer.param_groups],
+              "rows": group_rows(t), "lr": t.plan.optim.lr, "min_lr": t.plan.optim.min_lr}
+    t.checkpointer.save(t.step)  # fills the frozen layer's slice of the stacked optimizer state
     t.close(shutdown_dist=False)
-    t = Trainer(load_config(sys.argv[1], sys.argv[4:]))
+    t = Trainer(load_config(DEFAULT, overrides))
     t.maybe_resume()  # same groups on every rank: the checkpoint's common param groups fit
-    out["resumed"] = [t.scheduler.get_lr({}), group_rows(t)]
-    with open(os.path.join(sys.argv[2], f"rank{t.d.rank}.json"), "w") as f:
-        json.dump(out, f)
+    result["resumed"] = [t.scheduler.get_lr({}), group_rows(t)]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{t.d.rank}.json").write_text(json.dumps(result))
     t.close()
-'''
+
+
+def launch_jobs(root) -> dict[int, list]:
+    overrides = [*tiny_overrides(root / "run", steps=20), f"optim.layer_decay={DECAY}",
+                 "optim.warmup_steps=4", "parallel.pp=2", "parallel.vpp=2",
+                 "train.global_batch_size=32", "train.micro_batch_size=8",
+                 'model.freeze=["decoder.layers.3.*"]']
+    return {2: [("pp2-vpp2", {"call": "test_layer_decay:pipeline_groups",
+                              "kwargs": {"out": str(root / "ranks"), "overrides": overrides}})]}
 
 
 @pytest.mark.multiproc
-def test_pipeline_stages_use_the_global_layer_index(tmp_path):
+def test_pipeline_stages_use_the_global_layer_index(launched):
     """pp=2 x vpp=2 on 4 layers: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3, each
     chunk naming its one layer decoder.layers.0. The groups follow the global index, every
     rank makes the same groups, and the frozen global layer 3 (rank 1's second chunk) is in
     none; a checkpoint saved so resumes."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
-           DEFAULT, str(tmp_path), str(ROOT / "tests"),
-           *tiny_overrides(tmp_path / "run", steps=20), f"optim.layer_decay={DECAY}",
-           "optim.warmup_steps=4", "parallel.pp=2", "parallel.vpp=2",
-           "train.global_batch_size=32", "train.micro_batch_size=8",
-           'model.freeze=["decoder.layers.3.*"]']
-    r = subprocess.run(cmd, env=dict(clean_env(), OMP_NUM_THREADS="1"), capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    out, launch = launched[__name__]["pp2-vpp2"]
+    for i in range(2):
+        if not (out / f"rank{i}.json").is_file():
+            pytest.fail(f"rank {i} wrote nothing{launch_output(launch)}")
+    ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
     assert ranks[0]["groups"] == ranks[1]["groups"]  # aligned: a checkpoint's common state
     layers = []
     for rk in ranks:

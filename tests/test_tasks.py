@@ -1,7 +1,6 @@
 """The task layer: one Trainer, a task supplies the model, the batch and the loss. Contrastive
 (CLIP / SigLIP) training on CPU end to end, its config errors, and dp=2 against one process."""
 import json
-import sys
 
 import pytest
 import torch
