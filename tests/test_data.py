@@ -947,18 +947,17 @@ def test_cpu_decode_share_is_checked():
             load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", over)
 
 
-def test_training_from_shards_with_augmentation(shards, tmp_path, env):
+def test_training_from_shards_with_augmentation(shards, tmp_path, capsys):
     import json
-    import subprocess
-    from conftest import ROOT, tiny_overrides, vitgraph_cmd
+    from conftest import ROOT, tiny_overrides
+    from vitgraph.cli import main
     _, out = shards
     over = tiny_overrides(tmp_path / "run", steps=6, **{
         "data.kind": "webdataset", "data.path": str(out), "data.render_size": 24,
         "train.global_batch_size": 8, "train.micro_batch_size": 4, "train.eval_batch_size": 10,
         "data.augment.enabled": "true"})
-    p = subprocess.run(vitgraph_cmd("train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"), *over),
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    code = main(["train", str(ROOT / "configs" / "vit-tiny-shapes.yaml"), *over])
+    assert code == 0, capsys.readouterr().err[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["step"] == 6 and metrics["eval_images"] == 20
     assert 0 < metrics["loss"] < 10
