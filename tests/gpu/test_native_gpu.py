@@ -10,6 +10,7 @@ megatron DDP + distributed optimizer), one pack per microbatch.
   each image gives in a pack of its own;
 * each of the above also at head dim 72 (SO400M's), where TE's core attention runs the pack
   in slots (vitgraph.models.specs.THD_HEAD_DIMS);
+* the Triton row gather of the slot layout == index_select + where, NaN rows masked;
 * padding rows are safe: with the device memory that graph pools and the caching allocator
   hand out filled with NaN beforehand, graphed and eager steps give the same finite loss,
   grad norm and parameters (a row that no kernel writes would carry NaN into them).
@@ -239,3 +240,30 @@ def test_padding_rows_safe_whatever_the_pool_held(tmp_path, head):
     for a, b in zip(weights, ref_weights):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_row_gather_equals_index_select(dtype):
+    """The Triton row gather of the slot layout (packed._take on the GPU) == index_select +
+    where, for a contiguous 2-D input, a strided [T, h, d] view (a slice of a QKV projection)
+    and a permuted one; a masked row that holds NaN gives zeros, not NaN."""
+    from vitgraph.models import packed as pk
+    if pk.triton is None:
+        pytest.skip("no Triton")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(3000, 3 * 8 * 72, device="cuda", generator=g).to(dtype)
+    qkv[::7] = float("nan")
+    idx = torch.randint(0, 3000, (4100,), device="cuda", generator=g)
+    mask = torch.isfinite(qkv[idx, 0]) & (torch.rand(4100, device="cuda", generator=g) > 0.2)
+    strided = qkv.view(3000, 8, 3 * 72)[:, :, 72:144]
+    permuted = torch.randn(8, 3000, 72, device="cuda", generator=g).to(dtype).transpose(0, 1)
+    for x in (qkv, strided, permuted):
+        for m in (None, mask):
+            got = pk._take_fused(x, idx, m)
+            want = x.reshape(3000, -1).index_select(0, idx)
+            if m is not None:
+                want = torch.where(m[:, None], want, 0)
+            assert got.shape == (4100, *x.shape[1:])
+            assert torch.equal(got.reshape(4100, -1).isnan(), want.isnan())
+            torch.testing.assert_close(got.reshape(4100, -1), want, rtol=0, atol=0,
+                                       equal_nan=True)

@@ -22,6 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+try:  # the fused row gather on the GPU (torch ships Triton with its CUDA builds)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 from vitgraph.data.loader import MEAN, STD
 from vitgraph.data.packing import PackSpec
 
@@ -62,6 +68,8 @@ class _Gather(torch.autograd.Function):
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if triton is not None and x.is_cuda:
+        return _take_fused(x, idx, mask)
     # rows of a contiguous 2-D view: index_select of a strided [T, h, d] (a slice of the
     # QKV projection, a permuted gradient) ran ~20x slower on CPU than a copy and this
     out = x.reshape(x.shape[0], -1).index_select(0, idx)
@@ -70,6 +78,40 @@ def _take(x: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None) -> torc
         # rows past its length alone) may hold NaN from a graph pool, and NaN * 0 is NaN
         out = torch.where(mask[:, None], out, 0)
     return out.view(idx.shape[0], *x.shape[1:])
+
+
+def _take_fused(x: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``_take`` in one pass on the GPU: index_select then where cost two passes over the
+    rows (SO400M/16's packed step: 18 ms of gathers and 29 ms of where in 410 ms), and a
+    masked row is never read, so a NaN it holds cannot reach the output. A [T, h, d] view
+    with any strides is read in place (no copy of a strided gradient)."""
+    shape = (idx.shape[0], *x.shape[1:])
+    if x.dim() != 3:
+        x = x.reshape(x.shape[0], 1, -1) if x.dim() != 2 else x[:, None]
+    n, (_, a, b) = idx.shape[0], x.shape
+    out = torch.empty((n, a * b), dtype=x.dtype, device=x.device)
+    block = min(2048, triton.next_power_of_2(a * b))
+    keep = idx if mask is None else mask.view(torch.uint8)
+    _take_rows[(n, triton.cdiv(a * b, block))](
+        x, idx, keep, out, a * b, b, x.stride(0), x.stride(1), x.stride(2),
+        HAS_MASK=mask is not None, BLOCK=block)
+    return out.view(shape)
+
+
+if triton is not None:
+    @triton.jit
+    def _take_rows(x, idx, keep, out, cols, inner, s_row, s_outer, s_inner,
+                   HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inb = c < cols
+        read = inb
+        if HAS_MASK:
+            read = inb & (tl.load(keep + r) != 0)
+        src = tl.load(idx + r).to(tl.int64)
+        v = tl.load(x + src * s_row + (c // inner) * s_outer + (c % inner) * s_inner,
+                    mask=read, other=0.0)
+        tl.store(out + r.to(tl.int64) * cols + c, v, mask=inb)
 
 
 @dataclass(frozen=True)
