@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_collection_modifyitems(config, items):
+    # the modules whose tests read the session's launches run last (whole modules: their
+    # module fixtures are made once): the launches train in the background meanwhile
+    late = {i.module for i in items if "launched" in i.fixturenames}
+    items[:] = [i for i in items if i.module not in late] + [i for i in items if i.module in late]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the H200: pytest -m gpu)")
@@ -88,51 +93,86 @@ def clean_env() -> dict:
     return e
 
 
-def train_in_turn(nproc: int, jobs: list[dict], work: Path,
-                  timeout: int = 1200) -> subprocess.CompletedProcess:
+def train_in_turn(nproc: int, jobs: list[dict], work: Path) -> subprocess.Popen:
     """``jobs`` (tests/train_in_turn.py: `vitgraph train` arguments, optionally a resume from
-    another job's checkpoint) one after another in one torchrun launch of ``nproc``."""
+    another job's checkpoint) one after another in one torchrun launch of ``nproc``, started."""
     work.mkdir(parents=True, exist_ok=True)
     spec = work / "jobs.json"
     spec.write_text(json.dumps(jobs))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-                           str(free_port()), str(ROOT / "tests" / "train_in_turn.py"), str(spec)],
-                          env=dict(clean_env(), OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                             str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                             str(free_port()), str(ROOT / "tests" / "train_in_turn.py"),
+                             str(spec)], env=dict(clean_env(), OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class Launches:
+    """The training runs of every collected module that defines ``launch_jobs(root)`` (world
+    size -> [(name, train_in_turn job)], run folders under ``root``): one torchrun launch per
+    world size for all modules' jobs, a launch's start-up (the interpreters, torch,
+    megatron-core: ~9 s of CPU per rank) paid once per world size in the session. The
+    launches run one after another (world 1 first: later jobs resume or distil from its runs)
+    in a thread, from the session's start, while the tests that need none of them run in this
+    process (one thread: the other core is theirs). A module's launched jobs need one of its
+    collected tests marked multiproc."""
+
+    def __init__(self, items, tmp_path_factory, timeout: int = 1500):
+        import train_in_turn as turn
+        items = [i for i in items if hasattr(i.module, "launch_jobs")]
+        modules = sorted({i.module for i in items}, key=lambda m: m.__name__)
+        multiproc = {i.module for i in items if "multiproc" in i.keywords}  # -m "not multiproc"
+        self.by_world: dict[int, list] = {}
+        for module in modules:
+            root = tmp_path_factory.mktemp(module.__name__)
+            for world, jobs in module.launch_jobs(root).items():
+                if world == 1 or module in multiproc:
+                    self.by_world.setdefault(world, []).extend(
+                        (module.__name__, n, j) for n, j in jobs)
+        self.runs: dict[str, dict[str, tuple]] = {m.__name__: {} for m in modules}
+        self.run_dir, self.factory, self.timeout = turn.run_dir, tmp_path_factory, timeout
+        self.proc, self.stopped = None, False
+        self.thread = threading.Thread(target=self._launch, daemon=True)
+        self.thread.start()
+
+    def _launch(self):
+        for world, jobs in sorted(self.by_world.items()):
+            if self.stopped:
+                return
+            self.proc = train_in_turn(world, [job for _, _, job in jobs],
+                                      self.factory.mktemp(f"world{world}"))
+            try:
+                out, err = self.proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+                err += f"\nthe launch ran past {self.timeout} s and was killed"
+            launch = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+            for module, name, job in jobs:
+                self.runs[module][name] = (self.run_dir(job), launch)
+
+    def result(self) -> dict[str, dict[str, tuple]]:
+        """module name -> job name -> (run folder, launch), once every launch has ended."""
+        self.thread.join()
+        return self.runs
+
+    def stop(self):
+        self.stopped = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self.thread.join()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches(request, tmp_path_factory):
+    ls = Launches(request.session.items, tmp_path_factory)
+    yield ls
+    ls.stop()
 
 
 @pytest.fixture(scope="session")
-def launched(request, tmp_path_factory) -> dict[str, dict[str, tuple]]:
-    """The training runs of every collected module that defines ``launch_jobs(root)`` (world
-    size -> [(name, train_in_turn job)], run folders under ``root``): those of world 1 in
-    this process, first and in order (what later jobs resume from or distil from), then one
-    torchrun launch per larger world size for all modules' jobs: a launch's start-up (the
-    interpreters, torch, megatron-core: ~9 s of CPU per rank) is paid once per world size in
-    the session. module name -> job name -> (run folder, launch; None in this process).
-    A module's launched jobs need one of its collected tests marked multiproc."""
-    import train_in_turn as turn
-    items = [i for i in request.session.items if hasattr(i.module, "launch_jobs")]
-    modules = sorted({i.module for i in items}, key=lambda m: m.__name__)
-    multiproc = {i.module for i in items if "multiproc" in i.keywords}  # -m "not multiproc"
-    by_world: dict[int, list] = {}
-    for module in modules:
-        root = tmp_path_factory.mktemp(module.__name__)
-        for world, jobs in module.launch_jobs(root).items():
-            if world == 1 or module in multiproc:
-                by_world.setdefault(world, []).extend((module.__name__, n, j) for n, j in jobs)
-    out: dict[str, dict[str, tuple]] = {m.__name__: {} for m in modules}
-    for world, jobs in sorted(by_world.items()):
-        if world == 1:
-            code = turn.run([job for _, _, job in jobs])
-            launch = None if code == 0 else subprocess.CompletedProcess(
-                [], code, "", f"a job of this process exited {code}; the later ones did not run")
-        else:
-            launch = train_in_turn(world, [job for _, _, job in jobs],
-                                   tmp_path_factory.mktemp(f"world{world}"))
-        for module, name, job in jobs:
-            out[module][name] = (turn.run_dir(job), launch)
-    return out
+def launched(launches) -> dict[str, dict[str, tuple]]:
+    """module name -> job name -> (run folder, launch): ``Launches``' runs."""
+    return launches.result()
 
 
 def launch_output(launch: subprocess.CompletedProcess) -> str:

@@ -1,5 +1,5 @@
-"""Several ``vitgraph train`` runs in turn in one process per rank (one torchrun launch, or
-run() in the pytest process for a world of one): start-up (interpreter, torch, megatron-core,
+"""Several ``vitgraph train`` runs in turn in one process per rank (one torchrun launch per
+world size, conftest.Launches): start-up (interpreter, torch, megatron-core,
 gloo) is paid once per world size instead of once per run.
 
     python -m torch.distributed.run --nproc-per-node N tests/train_in_turn.py JOBS.json
@@ -24,9 +24,14 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from vitgraph.cli import main
+
+# one intra-op thread a rank (a Trainer takes cpu_count / local ranks: two for a world of
+# one), as in the pytest process, which runs tests beside the launch
+torch.set_num_threads = lambda n, _set=torch.set_num_threads: _set(1)
 
 
 def roll_back(src: Path, dst: Path, step: int) -> None:
