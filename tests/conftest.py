@@ -220,7 +220,9 @@ def training_state(t) -> dict:
     if t.d.cuda:
         from megatron.core import tensor_parallel
         out["rng.cuda"] = torch.cuda.get_rng_state()
-        out["rng.tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        # under CUDA graphs megatron's tracker keeps graph-safe generators: their states
+        out["rng.tracker"] = {k: v.get_state() if isinstance(v, torch.Generator) else v for k, v
+                              in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     return out
 
 
