@@ -1,4 +1,6 @@
+import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -130,7 +132,7 @@ class Launches:
                         (module.__name__, n, j) for n, j in jobs)
         self.runs: dict[str, dict[str, tuple]] = {m.__name__: {} for m in modules}
         self.run_dir, self.factory, self.timeout = turn.run_dir, tmp_path_factory, timeout
-        self.proc, self.stopped = None, False
+        self.proc, self.stopped, self.zero_filled = None, False, []
         self.thread = threading.Thread(target=self._launch, daemon=True)
         self.thread.start()
 
@@ -147,12 +149,18 @@ class Launches:
                 out, err = self.proc.communicate()
                 err += f"\nthe launch ran past {self.timeout} s and was killed"
             launch = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+            self.zero_filled += [(world, line) for line in (out + err).splitlines()
+                                 if ZERO_FILLED in line]
             for module, name, job in jobs:
                 self.runs[module][name] = (self.run_dir(job), launch)
 
     def result(self) -> dict[str, dict[str, tuple]]:
         """module name -> job name -> (run folder, launch), once every launch has ended."""
         self.thread.join()
+        if self.zero_filled:
+            world, line = self.zero_filled[0]
+            pytest.fail(f"megatron's distributed optimizer zero-filled checkpoint state in the "
+                        f"launch of {world}: {line}")
         return self.runs
 
     def stop(self):
@@ -220,6 +228,122 @@ def loss_records(run_dir: Path, launch: subprocess.CompletedProcess | None = Non
 @pytest.fixture
 def env():
     return clean_env()
+
+
+def training_state(t) -> dict:
+    """Everything a Trainer ``t`` holds that a checkpoint must give back, copied, by name: the
+    model's weights (bf16 on GPU), each optimizer part's fp32 weights (megatron's main params,
+    the distributed optimizer's shards; the parameters themselves on CPU), its Adam moments,
+    step counts and param groups (through the inner optimizer's state_dict, so TE's layout on
+    GPU), the EMA and its count, the LR schedule, the data position, the RNG state and the
+    step."""
+    def copy(v):
+        return v.detach().clone() if torch.is_tensor(v) else v
+
+    out = {"step": t.step, "scheduler": t.scheduler.state_dict(),
+           "loader": t.loader.state_dict(), "rng.torch": torch.get_rng_state()}
+    for i, c in enumerate(t.chunks):
+        out.update({f"model{i}.{n}": copy(p) for n, p in c.named_parameters()})
+    for j, part in enumerate(getattr(t.optimizer, "chained_optimizers", None) or [t.optimizer]):
+        inner = part.optimizer
+        sd = inner.state_dict()
+        for g, (saved, live) in enumerate(zip(sd["param_groups"], inner.param_groups)):
+            pre = f"optimizer{j}.group{g}"
+            out.update({f"{pre}.{k}": copy(v) for k, v in saved.items() if k != "params"})
+            for i, (index, p) in enumerate(zip(saved["params"], live["params"])):
+                out[f"{pre}.{i}.main"] = copy(p)
+                state = sd["state"].get(index, {})
+                out.update({f"{pre}.{i}.{k}": copy(v) for k, v in state.items()})
+    if t.ema is not None:
+        out["ema.count"] = copy(t.ema.count)
+        out.update({f"ema.{i}": copy(e.ema) for i, e in enumerate(t.ema.entries)})
+    if t.d.cuda:
+        from megatron.core import tensor_parallel
+        out["rng.cuda"] = torch.cuda.get_rng_state()
+        # under CUDA graphs megatron's tracker keeps graph-safe generators: their states
+        out["rng.tracker"] = {k: v.get_state() if isinstance(v, torch.Generator) else v for k, v
+                              in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    return out
+
+
+def save_then_load(make, steps: int = 3) -> tuple[dict, dict]:
+    """A Trainer from ``make()`` trains ``steps`` steps and saves a checkpoint; a second one
+    from ``make()`` (the same run folder) resumes from it. (training_state after the save,
+    training_state after the load)."""
+    t = make()
+    try:
+        for _ in range(steps):
+            t.graphs.step_begin(t.step)
+            t.train_step(t.loader.next_step(), None)
+            t.step += 1
+        t.checkpointer.save(t.step)
+        saved = training_state(t)
+    finally:
+        t.close()
+    t = make()
+    try:
+        t.maybe_resume()
+        return saved, training_state(t)
+    finally:
+        t.close()
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    """``got`` and ``want`` (training_state) hold the same names and, bit for bit, the same
+    values: tensors of the same dtype, shape and bytes, everything else equal."""
+    def same(a, b) -> bool:
+        if torch.is_tensor(a) or torch.is_tensor(b):
+            return (torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype
+                    and a.shape == b.shape and a.device == b.device
+                    and torch.equal(a.reshape(-1).view(torch.uint8),
+                                    b.reshape(-1).view(torch.uint8)))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and a == b
+
+    assert sorted(got) == sorted(want), set(got) ^ set(want)
+    wrong = [k for k in want if not same(got[k], want[k])]
+    assert not wrong, f"{len(wrong)} of {len(want)} differ after the load: {wrong[:8]}"
+
+
+# megatron-core's distributed optimizer, building a checkpoint, cut a parameter's state past
+# its buffer's end and zero-filled it with this warning (vitgraph.train.optim:
+# checkpoint_state_at_parameter_offsets); every test fails where it is logged: in this process
+# (no_zero_filled_optimizer_state), in the output of the session's launches (Launches)
+ZERO_FILLED = "param range exceeds unpadded buffer"
+
+
+class _ZeroFilled(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        if ZERO_FILLED in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def zero_filled_warnings():
+    """The messages megatron's distributed optimizer logs inside the block that say it
+    zero-filled a parameter's checkpoint state (a list, filled as they come)."""
+    handler = _ZeroFilled()
+    logger = logging.getLogger("megatron.core.optimizer.distrib_optimizer")
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def no_zero_filled_optimizer_state():
+    with zero_filled_warnings() as messages:
+        yield
+    if messages:
+        pytest.fail(f"megatron's distributed optimizer zero-filled checkpoint state: {messages[0]}")
 
 
 def checkpoint_tensors(step_dir) -> dict:

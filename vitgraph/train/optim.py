@@ -460,6 +460,74 @@ def _copy_weights_in_one_kernel(optimizer) -> None:
             part._copy_main_params_to_model_params = lambda part=part: float16_copy(part)
 
 
+def _at_buffer_offsets(packed: torch.Tensor, buffer) -> torch.Tensor:
+    """One buffer's gathered state as megatron's ``get_parameter_state_dp_zero`` packs it
+    (bucket after bucket, each bucket's end padding left out) laid out at the buffer's own
+    offsets, zeros in the padding; ``packed`` itself where no bucket but the last is padded."""
+    buckets = buffer.buckets
+    if all(b.grad_data.numel() == b.numel_unpadded for b in buckets[:-1]):
+        return packed
+    out = packed.new_zeros(buffer.numel)
+    start = 0
+    for b in buckets:
+        out[b.offset:b.offset + b.numel_unpadded] = packed[start:start + b.numel_unpadded]
+        start += b.numel_unpadded
+    return out
+
+
+def checkpoint_state_at_parameter_offsets(optimizer) -> None:
+    """Each part of ``optimizer`` that is megatron's ``DistributedOptimizer`` saves every
+    parameter's own fp32 weights and Adam moments in the ``fully_reshardable`` checkpoint
+    format (vitgraph.train.checkpoint).
+
+    megatron-core < 0.20 gathers a buffer's state with the padding at the end of each bucket
+    left out (``get_parameter_state_dp_zero``), then cuts parameters out of it at their offsets
+    in the padded buffer (``param_index_map``, in ``sharded_param_state_fully_reshardable``).
+    Parameters start on multiples of 64 elements and buckets end on multiples of lcm(dp, 128)
+    (with more than 40M elements, or 1M x dp, a buffer has several buckets): where a bucket
+    other than the last needs padding to get there, every parameter in the later buckets was
+    saved shifted by that padding, and the last parameters of the buffer came out short,
+    zero-filled with the warning "'<name>' param range exceeds unpadded buffer by N
+    elements" (megatron issue #504). ViT-B/16 with 10 classes (86M parameters, buckets of 40M
+    elements): the head's 10-element bias leaves the first bucket 64 short, so the state of the
+    other 45.6M elements (the embeddings, layers 0-5, layer 6's attention) was saved 64
+    elements off, cls_token's last 64 as zeros; on resume those master weights overwrite the
+    model at the first step.
+    Here the gathered state is laid out at the buffer's offsets while that function cuts it,
+    so each cut is exactly one parameter's state, whatever the layout."""
+    from megatron.core import package_info
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    if (int(package_info.MAJOR), int(package_info.MINOR)) >= (0, 20):
+        return  # megatron shifts its cuts itself from 0.20 (its PR #5077)
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if isinstance(part, DistributedOptimizer):
+            _cut_at_parameter_offsets(part)
+
+
+def _cut_at_parameter_offsets(part) -> None:
+    gather = part.get_parameter_state_dp_zero
+    cut = part.sharded_param_state_fully_reshardable
+
+    def gather_at_buffer_offsets(**kwargs):
+        state = gather(**kwargs)
+        if state is not None:  # (None on dp ranks > 0 in megatron's memory-efficient mode)
+            for i, buffer in enumerate(part.buffers):
+                for world in state[i].values():
+                    for key in ("param", "exp_avg", "exp_avg_sq"):
+                        if key in world:
+                            world[key] = _at_buffer_offsets(world[key], buffer)
+        return state
+
+    def cut_at_parameter_offsets(*args, **kwargs):
+        part.get_parameter_state_dp_zero = gather_at_buffer_offsets
+        try:
+            return cut(*args, **kwargs)
+        finally:
+            part.get_parameter_state_dp_zero = gather
+
+    part.sharded_param_state_fully_reshardable = cut_at_parameter_offsets
+
+
 def allocate_offloaded_state(optimizer) -> None:
     """Give megatron's CPU-offloading optimizer (optim.offload_fraction) its state before a
     checkpoint is loaded: without one, its load_state_dict allocates it by a step on random
@@ -519,6 +587,7 @@ def build_optimizer(chunks: list, plan: Plan):
                 name=f"vitgraph_lr_scale_{s!r}", fn=lambda p, n, ids=frozenset(ids): id(p) in ids))
             overrides[key] = ParamGroupOverride(max_lr=o.lr * s, min_lr=o.min_lr * s)
     optimizer = get_megatron_optimizer(ocfg, chunks, config_overrides=overrides)
+    checkpoint_state_at_parameter_offsets(optimizer)
     if not plan.fsdp:  # (multi-tensor kernels take no DTensors)
         _copy_weights_in_one_kernel(optimizer)
     fill_frozen_slices(optimizer, chunks)
