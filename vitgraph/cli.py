@@ -103,7 +103,7 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vitgraph import set_hardware_queues
+    from vitgraph import StopSignals, set_hardware_queues
     set_hardware_queues()  # before any import below can initialise CUDA
     parser = _parser()
     args = parser.parse_args(argv)
@@ -123,15 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and not args.config:
         parser.train_parser.print_help(sys.stderr)
         return 2
-    from vitgraph.config import ConfigError, check_layout, load_config
+    # a stop signal from here on is recorded, and stops the run at its next start-up
+    # milestone (exit 75); the imports below take seconds, and would die of it unsaid (143)
+    signals = StopSignals().install() if args.command == "train" else None
     try:
-        cfg = load_config(args.config, args.overrides)
-        # torchrun's world size (1 without torchrun): a layout that cannot run stops here
-        check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), args.config)
-    except ConfigError as e:
-        print(f"vitgraph: config error: {e}", file=sys.stderr)
-        return 2
-    return _run(cfg, args)
+        from vitgraph.config import ConfigError, check_layout, load_config
+        try:
+            cfg = load_config(args.config, args.overrides)
+            # torchrun's world size (1 without torchrun): a layout that cannot run stops here
+            check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), args.config)
+        except ConfigError as e:
+            print(f"vitgraph: config error: {e}", file=sys.stderr)
+            return 2
+        return _run(cfg, args, signals)
+    finally:
+        if signals is not None:
+            signals.restore()
 
 
 def _stacks_on_usr2() -> None:
@@ -143,8 +150,9 @@ def _stacks_on_usr2() -> None:
             pass
 
 
-def _run(cfg, args) -> int:
-    """Train, or evaluate a checkpoint (``vitgraph eval``); the exit code."""
+def _run(cfg, args, signals=None) -> int:
+    """Train, or evaluate a checkpoint (``vitgraph eval``); the exit code. ``signals``: the
+    stop signals recorded since launch (vitgraph.StopSignals)."""
     from vitgraph.config import ConfigError
     from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
@@ -152,8 +160,9 @@ def _run(cfg, args) -> int:
     from vitgraph.train.loop import TrainingFailed
     from vitgraph.train.preempt import PREEMPTED_EXIT, Preempted
     # exit codes: 0 done (or already finished), 2 the user's input (config, data, weights, no
-    # usable checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal with a
-    # checkpoint saved (requeue), 1 a failure during training (traceback in train.log)
+    # usable checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal: with a
+    # checkpoint saved, or during start-up with nothing to save (requeue either way), 1 a
+    # failure during training (traceback in train.log)
     try:
         if args.command == "eval":
             from vitgraph.train.evaluate import evaluate_checkpoint
@@ -162,7 +171,7 @@ def _run(cfg, args) -> int:
                 print(result["path"])
         else:
             from vitgraph.train.loop import train
-            train(cfg)
+            train(cfg, signals)
     except ConfigError as e:  # the run folder holds another run
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2

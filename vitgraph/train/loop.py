@@ -12,7 +12,7 @@ import traceback
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vitgraph import HARDWARE_QUEUES, hardware_queues
+from vitgraph import HARDWARE_QUEUES, StopSignals, hardware_queues
 from vitgraph.config import Config, ConfigError, validate_machine
 from vitgraph.convert import ConvertError
 from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets
@@ -86,14 +86,34 @@ class Trainer:
     """One run's training on this rank: ``cfg`` resolved into a plan (vitgraph.plan), then
     built from it (process groups, task, data, model, optimizer), then ``run()``. ``stops``:
     the run's stop requests (train() installs them before start-up, so a signal during it is
-    not lost); None: installed by ``run``."""
+    not lost: it stops the run at the next start-up milestone); None: installed by ``run``."""
 
     def __init__(self, cfg: Config, stops: StopRequests | None = None):
         self.stops = stops
         self.run_dir = cfg.run_dir
         _start_run_dir(cfg)
+        try:
+            self._build(cfg)
+        except BaseException:  # a stop signal at a milestone, or a failure: let go of what
+            self.close(shutdown_dist=False, failed=True)  # was made (train() shuts down)
+            raise
+
+    def _at_startup(self, phase: str) -> None:
+        """A start-up milestone: stop here, nothing saved, when a stop signal has come."""
+        if self.stops is None:
+            return
+        try:
+            self.stops.at_startup(phase)
+        except Preempted as e:
+            log.warning("%s", e)
+            raise
+
+    def _build(self, cfg: Config) -> None:
+        """The plan, the process groups, the data, the task and the model, then what trains
+        it (_build_training), with a start-up milestone after each long part."""
         self.plan = plan = resolve(cfg, launched_world_size())
         self.d = d = init_distributed(plan)
+        self._at_startup("process groups")
         t = plan.train
         queues = hardware_queues()
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
@@ -120,6 +140,7 @@ class Trainer:
         if plan.data.prefetch:
             self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
+        self._at_startup("data")
         # the task (vitgraph.tasks: the model, its batches and its loss) and this rank's model
         # chunks (one per virtual pipeline stage), wrapped for precision, data parallelism and
         # graphs
@@ -132,6 +153,7 @@ class Trainer:
         self.model = self.chunks[0]
         self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
         self._build_training()
+        self._at_startup("model build")
 
     def _build_training(self) -> None:
         """What trains the wrapped chunks: the optimizer, its LR schedule, the EMA, megatron's
@@ -268,6 +290,7 @@ class Trainer:
         self.maybe_resume()
         if self.stops is None:
             self.stops = StopRequests(collective_timeout(self.plan.parallel)).install()
+        self._at_startup("resume")  # the last milestone: graphs are captured in the first steps
         health = StepHealth(t.max_bad_steps)
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
                                self.flops_per_sample, t.peak_flops if self.d.cuda else None,
@@ -389,10 +412,12 @@ def _wire_ddp(mc, wrapped: list, optimizer, p) -> None:
     mc.grad_scale_func = optimizer.scale_loss
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, signals: StopSignals | None = None) -> dict:
     """Train ``cfg``'s run (resuming it if its folder holds one). Raises ConfigError before any
     work when the folder holds a different run; returns the stored metrics of a finished run
-    without touching it."""
+    without touching it. ``signals``: the stop signals the CLI has recorded since before its
+    imports (None: recorded from here on). Raises Preempted when one comes: at the next
+    start-up milestone, or after the step that is running, saved."""
     validate_machine(cfg)
     try:
         changes = check_run_dir(cfg)
@@ -401,8 +426,10 @@ def train(cfg: Config) -> dict:
             print(done, flush=True)
         return done.metrics
     trainer, failed = None, False
-    stops = StopRequests(collective_timeout(cfg.parallel)).install()
+    stops = StopRequests(collective_timeout(cfg.parallel), signals)
     try:
+        stops.at_startup("launch")  # before the run folder, the data and the writer helper
+        stops.install()
         trainer = Trainer(cfg, stops)
         for key, old, new in changes:
             log.info("resuming with a changed setting: %s %r -> %r", key, old, new)
