@@ -15,7 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vitgraph import HARDWARE_QUEUES, StopSignals, hardware_queues
 from vitgraph.config import Config, ConfigError, validate_machine
 from vitgraph.convert import ConvertError
-from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets
+from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets, decode_line
 from vitgraph.data.augment import augment_line
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.cudnn import warn_if_fallback
@@ -31,7 +31,7 @@ from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, eval_line, graphs_line,
                                     train_line)
-from vitgraph.train.optim import build_optimizer, build_scheduler
+from vitgraph.train.optim import build_optimizer, build_scheduler, lr_scales, optim_line
 from vitgraph.train.preempt import Preempted, StopRequests
 from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0, save_config
 
@@ -146,9 +146,11 @@ class Trainer:
         # graphs
         self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
-        log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", plan.data.kind,
+        decoded = decode_line(plan.data, plan.native, d.cuda)
+        log.info("data: %s, %d train / %d held-out images, %d classes%s (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
-                 len(self.train_set.classes), time.time() - t0)
+                 len(self.train_set.classes), f", {decoded}" if decoded else "",
+                 time.time() - t0)
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
         self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
@@ -164,8 +166,11 @@ class Trainer:
         self.ema = build_ema(plan.ema, self.optimizer, d.device)
         self.scheduler = build_scheduler(self.optimizer, plan.optim, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
-        log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
-                 plan.precision_name)
+        drop_path = plan.model.drop_path_rate
+        log.info("model: %s, %s%s", self.task.describe(self.chunks, t.micro_batch_size),
+                 plan.precision_name,
+                 f", drop path {drop_path:g} (model.drop_path_rate)" if drop_path else "")
+        log.info("optim: %s", optim_line(plan.optim, lr_scales(self.chunks, plan.optim.layer_decay)))
         log.info("graphs: %s", plan.graphs)
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
