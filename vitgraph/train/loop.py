@@ -57,11 +57,19 @@ def _start_run_dir(cfg: Config) -> None:
 
 
 class Progress:
-    """A one-line progress bar on rank 0's terminal (nothing when stderr is not a terminal)."""
+    """A one-line progress bar on rank 0's terminal (nothing when stderr is not a terminal).
+    A log line to the terminal clears it first (the bar has no newline of its own: the line
+    was written on after it), and the next update draws it again below."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
+    def __init__(self, total: int, start: int, enabled: bool, logger=log):
         self.total, self.start, self.t0 = total, start, time.time()
         self.enabled = enabled and sys.stderr.isatty()
+        self.shown = False
+        # the log's terminal handlers (a FileHandler is a StreamHandler too: not those)
+        self._handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
+                          and not isinstance(h, logging.FileHandler)] if self.enabled else []
+        for h in self._handlers:
+            h.addFilter(self)
 
     def update(self, step: int, extra: str = "") -> None:
         if not self.enabled:
@@ -72,10 +80,28 @@ class Progress:
         bar = "#" * int(30 * frac)
         sys.stderr.write(f"\r[{bar:<30}] {step}/{self.total} eta {eta:5.0f}s {extra}")
         sys.stderr.flush()
+        self.shown = True
+
+    def filter(self, record) -> bool:
+        """Before a log line reaches the terminal: the bar's line cleared (logging.Filter)."""
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")  # to the line's start, erase to its end
+            sys.stderr.flush()
+            self.shown = False
+        return True
 
     def close(self) -> None:
-        if self.enabled:
+        for h in self._handlers:
+            h.removeFilter(self)
+        if self.shown:
             sys.stderr.write("\n")
+            self.shown = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # a stop or a failure too: its message starts on a line of its own
 
 
 class TrainingFailed(RuntimeError):
@@ -302,33 +328,32 @@ class Trainer:
                                flops_per_token=getattr(self.task, "flops_per_token", None)
                                if self.plan.native else None,
                                extra_stats=self.task.extra_stats)
-        progress = Progress(self.total_steps, self.step, t.progress and self.d.rank == 0)
         t_start, first_step, record = time.time(), self.step, {}
-        while self.step < self.total_steps:
-            self.graphs.step_begin(self.step)
-            result = self.train_step(self.loader.next_step(),
-                                     getattr(self.loader, "stage_next", None))
-            self.step += 1
-            health.update(result.outcome)
-            window.add(result, getattr(self.loader, "last_counts", None))
-            if health.on_host():  # known without a sync: stop at once
-                health.check(self.step)
-            due = self.schedule.after(self.step)
-            if due.log:
-                eta = (time.time() - t_start) / (self.step - first_step) \
-                    * (self.total_steps - self.step)
-                record = self._log_window(window, health, eta)
-            progress.update(self.step)
-            if due.stop_check and self.stops.poll():
-                self._stop_preempted()
-            if due.eval:
-                self._evaluate_and_log()
-                window.restart_clock()
-            if self.checkpointer.due(self.step):
-                health.check(self.step)  # a run of bad steps at the limit stops unsaved
-                self.checkpointer.save(self.step)
-                window.restart_clock()
-        progress.close()
+        with Progress(self.total_steps, self.step, t.progress and self.d.rank == 0) as progress:
+            while self.step < self.total_steps:
+                self.graphs.step_begin(self.step)
+                result = self.train_step(self.loader.next_step(),
+                                         getattr(self.loader, "stage_next", None))
+                self.step += 1
+                health.update(result.outcome)
+                window.add(result, getattr(self.loader, "last_counts", None))
+                if health.on_host():  # known without a sync: stop at once
+                    health.check(self.step)
+                due = self.schedule.after(self.step)
+                if due.log:
+                    eta = (time.time() - t_start) / (self.step - first_step) \
+                        * (self.total_steps - self.step)
+                    record = self._log_window(window, health, eta)
+                progress.update(self.step)
+                if due.stop_check and self.stops.poll():
+                    self._stop_preempted()
+                if due.eval:
+                    self._evaluate_and_log()
+                    window.restart_clock()
+                if self.checkpointer.due(self.step):
+                    health.check(self.step)  # a run of bad steps at the limit stops unsaved
+                    self.checkpointer.save(self.step)
+                    window.restart_clock()
         health.check(self.step)
         return self._finish(record, time.time() - t_start)
 
