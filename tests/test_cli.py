@@ -43,14 +43,21 @@ def trained(tmp_path_factory):
 
 def test_version_configs_usage_and_cache(tmp_path, capsys):
     from vitgraph import __version__
+    from importlib.metadata import version
     with pytest.raises(SystemExit) as done:
         main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"vitgraph {__version__}"
+    out = capsys.readouterr().out.strip()
+    assert done.value.code == 0 and out.startswith(f"vitgraph {__version__} (torch "), out
+    assert f"torch {torch.__version__}" in out and f"megatron-core {version('megatron-core')}" \
+        in out and "transformer-engine " in out, out
     assert main(["configs"]) == 0
     out = capsys.readouterr().out
     for f in sorted((ROOT / "configs").glob("*.yaml")):
         assert f"configs/{f.name}" in out
     assert "ViT-B/16 at 224" in out
+    # a header's first sentence, not cut at an abbreviation's full stop
+    assert 'DeiT-B (Touvron et al. 2021, "Training data-efficient image transformers"' in out
+    assert "bf16 with TE layers on GPUs\n" in out  # ... and cut at the sentence's end
     assert main(["train"]) == 2 and "usage: vitgraph train" in capsys.readouterr().err
     cache = tmp_path / "cache"
     cache.mkdir()
