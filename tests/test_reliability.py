@@ -94,6 +94,7 @@ def test_finished_run_is_read_only_and_more_steps_continue_it(tmp_path, capsys):
     assert "finished run" in out
     assert str((run_dir / "metrics.json").resolve()) in out
     assert "train.steps=20" in out  # how to ask for more
+    assert "for a new run pass run.dir=<another folder>" in out and "run.name" not in out
 
     code, out, err = train_here(capsys, run_dir, steps=15, **{"checkpoint.every": 5})
     assert code == 0, err
@@ -137,9 +138,20 @@ def test_resuming_another_setup_exits_2_naming_each_key(tmp_path, change, keys, 
     err = capsys.readouterr().err
     for key in keys:
         assert re.search(rf"^  {re.escape(key)}: .* \(run\) -> .* \(now\)$", err, re.M), err
-    assert "run.name=" in err and "checkpoint.resume=false" in err
-    assert "Traceback" not in err
+    # the folder was chosen by run.dir: run.name would change nothing
+    assert "run.dir=<another folder>" in err and "run.name" not in err
+    assert "checkpoint.resume=false" in err and "Traceback" not in err
     assert snapshot(run_dir) == before  # stopped before any work: no log, no new files
+
+
+def test_a_run_chosen_by_name_is_told_to_take_another_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # runs/<run.name>
+    cfg = load_config(DEFAULT, ["run.name=a", "train.steps=10"])
+    save_config(cfg, cfg.run_dir / "config.yaml")
+    (cfg.run_dir / "checkpoints" / "step_000010").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        check_run_dir(load_config(DEFAULT, ["run.name=a", "train.steps=10", "optim.lr=0.5"]))
+    assert "Start a new run with run.name=<new name> (or run.dir=<folder>)" in str(e.value)
 
 
 def test_safe_changes_pass_the_resume_check(tmp_path):
