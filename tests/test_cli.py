@@ -238,6 +238,15 @@ def test_an_imagefolder_runs_export_names_its_classes(tmp_path, capsys):
                  str(tmp_path / "timm" / "model.safetensors")]) == 0
     timm_cfg = json.loads((tmp_path / "timm" / "config.json").read_text())
     assert timm_cfg["label_names"] == ["cat", "dog", "zebra"] and timm_cfg["num_classes"] == 3
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'timm' / 'config.json'}: written beside them" in out  # said, not silent
+    # a second model exported into that folder would replace the first's config.json
+    (tmp_path / "timm" / "config.json").write_text('{"num_classes": 1000}\n')
+    code, out, err = here(capsys, "export", str(run_dir), "--format", "timm", "--out",
+                          str(tmp_path / "timm" / "other.safetensors"))
+    assert code == 2 and "config.json exists and describes another model" in err, err
+    assert not (tmp_path / "timm" / "other.safetensors").exists()
+    assert (tmp_path / "timm" / "config.json").read_text() == '{"num_classes": 1000}\n'
 
 
 def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, tmp_path, capsys):

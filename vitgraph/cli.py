@@ -399,7 +399,6 @@ def _export(args) -> int:
                 "preprocessing": export_files.preprocessing(arch.image_size)}
         if classes:
             meta["classes"] = classes
-        written = save_safetensors(out, args.out, meta)
         sidecars = {}
         if fmt == "hf":
             sidecars = {"config.json": export_files.hf_config(arch, model_cfg, n, classes),
@@ -410,17 +409,27 @@ def _export(args) -> int:
                                                                 n, classes)}
         elif fmt == "timm_naflex":
             sidecars = {"config.json": export_files.timm_naflex_config_for(model_cfg, n, classes)}
-        for name, content in sidecars.items():
-            side = written.parent / name
-            side.write_text(json.dumps(content, indent=2) + "\n")
-            print(side)
+        folder = Path(args.out).parent
+        texts = {folder / name: json.dumps(content, indent=2) + "\n"
+                 for name, content in sidecars.items()}
+        for side, text in texts.items():  # before anything is written
+            if side.is_file() and side.read_text() != text:
+                raise ConvertError(
+                    f"{side} exists and describes another model: --format {fmt} writes "
+                    f"{', '.join(sidecars)} beside the weights, read from the folder, so one "
+                    f"export per folder; export into another folder or remove it")
+        written = save_safetensors(out, args.out, meta)
+        for side, text in texts.items():
+            side.write_text(text)
     except FileNotFoundError as e:
         print(f"vitgraph: export: {e}", file=sys.stderr)
         return 2
     except (ConfigError, ConvertError) as e:
         print(f"vitgraph: export: {e}", file=sys.stderr)
         return 2
-    print(written)
+    print(f"{written}: the weights ({fmt} names)")
+    for side in texts:
+        print(f"{side}: written beside them ({fmt}'s loaders read it from the folder)")
     return 0
 
 
