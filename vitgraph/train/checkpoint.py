@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from vitgraph.config import CheckpointConfig
 from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
-from vitgraph.convert.checkpoints import CheckpointError, step_dirs, verify, write_manifest
+from vitgraph.convert.checkpoints import (CheckpointError, quiet_reads, step_dirs, verify,
+                                          write_manifest)
 from vitgraph.convert.export_files import write_classes
 from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
@@ -187,7 +188,9 @@ def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
         raise CheckpointError(f"{directory}: no dist/ folder; not a vitgraph checkpoint of this "
                               f"format")
     try:
-        state = dist_checkpointing.load({**sharded_template, "step": None}, str(directory / "dist"))
+        with quiet_reads():
+            state = dist_checkpointing.load({**sharded_template, "step": None},
+                                            str(directory / "dist"))
     except Exception as e:
         raise CheckpointError(f"{directory / 'dist'}: cannot be read ({type(e).__name__}: "
                               f"{e})") from None
@@ -431,7 +434,8 @@ def load_model(path: Path, chunks: list, ema: bool = False) -> int:
     checkpoint when it holds none."""
     from megatron.core import dist_checkpointing
     template = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    state = dist_checkpointing.load(template, str(path / "dist"))
+    with quiet_reads():
+        state = dist_checkpointing.load(template, str(path / "dist"))
     for i, c in enumerate(chunks):
         c.load_state_dict(state[f"model{i}"])
     if ema:
@@ -458,7 +462,8 @@ def _load_ema_weights(path: Path, chunks: list) -> None:
                 template[str(len(template))] = make_sharded_optimizer_tensor(
                     sh, torch.empty(sh.data.shape, dtype=torch.float32, device=sh.data.device),
                     "ema")
-    state = dist_checkpointing.load({"ema": {"weights": template}}, str(path / "dist"))
+    with quiet_reads():
+        state = dist_checkpointing.load({"ema": {"weights": template}}, str(path / "dist"))
     with torch.no_grad():
         for i, p in enumerate(params):
             p.copy_(state["ema"]["weights"][str(i)])
