@@ -2,6 +2,7 @@
 import hashlib
 import json
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -43,14 +44,21 @@ def trained(tmp_path_factory):
 
 def test_version_configs_usage_and_cache(tmp_path, capsys):
     from vitgraph import __version__
+    from importlib.metadata import version
     with pytest.raises(SystemExit) as done:
         main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"vitgraph {__version__}"
+    out = capsys.readouterr().out.strip()
+    assert done.value.code == 0 and out.startswith(f"vitgraph {__version__} (torch "), out
+    assert f"torch {torch.__version__}" in out and f"megatron-core {version('megatron-core')}" \
+        in out and "transformer-engine " in out, out
     assert main(["configs"]) == 0
     out = capsys.readouterr().out
     for f in sorted((ROOT / "configs").glob("*.yaml")):
         assert f"configs/{f.name}" in out
     assert "ViT-B/16 at 224" in out
+    # a header's first sentence, not cut at an abbreviation's full stop
+    assert 'DeiT-B (Touvron et al. 2021, "Training data-efficient image transformers"' in out
+    assert "bf16 with TE layers on GPUs\n" in out  # ... and cut at the sentence's end
     assert main(["train"]) == 2 and "usage: vitgraph train" in capsys.readouterr().err
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -83,7 +91,12 @@ def test_eval_writes_only_its_json(trained, capsys):
 
     before = snapshot(trained)
     metrics = json.loads((trained / "metrics.json").read_text())
-    out = evaluate()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")  # as a command shows them, past pytest's filters
+        out = evaluate()
+    # torch's ShardedTensor / load_state_dict deprecations, said on every checkpoint read
+    assert not [str(w.message) for w in said if issubclass(w.category, FutureWarning)
+                or "torch.distributed is disabled" in str(w.message)], said
     assert out == str(trained / "eval-12.json")
     result = json.loads((trained / "eval-12.json").read_text())
     assert result["step"] == 12 and result["eval_images"] == 200
@@ -231,6 +244,15 @@ def test_an_imagefolder_runs_export_names_its_classes(tmp_path, capsys):
                  str(tmp_path / "timm" / "model.safetensors")]) == 0
     timm_cfg = json.loads((tmp_path / "timm" / "config.json").read_text())
     assert timm_cfg["label_names"] == ["cat", "dog", "zebra"] and timm_cfg["num_classes"] == 3
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'timm' / 'config.json'}: written beside them" in out  # said, not silent
+    # a second model exported into that folder would replace the first's config.json
+    (tmp_path / "timm" / "config.json").write_text('{"num_classes": 1000}\n')
+    code, out, err = here(capsys, "export", str(run_dir), "--format", "timm", "--out",
+                          str(tmp_path / "timm" / "other.safetensors"))
+    assert code == 2 and "config.json exists and describes another model" in err, err
+    assert not (tmp_path / "timm" / "other.safetensors").exists()
+    assert (tmp_path / "timm" / "config.json").read_text() == '{"num_classes": 1000}\n'
 
 
 def test_init_from_weights_of_another_size_is_exit_2_with_both_sizes(trained, tmp_path, capsys):

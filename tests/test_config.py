@@ -165,7 +165,7 @@ def test_unreadable_imagefolder_exits_2_naming_the_file(tmp_path, capsys):
 def test_field_declared_choices_and_ranges(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, overrides)
-    assert str(e.value).startswith(f"{DEFAULT}: {message}"), e.value
+    assert str(e.value).startswith(f"override {message}"), e.value  # given on the command line
 
 
 def test_defaults_pass_their_own_declarations():
@@ -389,3 +389,20 @@ def test_graphs_auto_runs_fsdp_eagerly():
     cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", FSDP)
     path = choose_graphs(cfg.graphs, True, **graph_constraints(cfg))
     assert not path.config.enabled and "parallel.fsdp" in path.reason
+
+
+def test_a_mistake_in_an_override_names_the_command_line_not_the_file(tmp_path):
+    """`vitgraph train vit-b16-imagefolder.yaml data.path=/missing` blamed the YAML file."""
+    b16 = ROOT / "configs" / "vit-b16-imagefolder.yaml"
+    missing = tmp_path / "missing"
+    for path, overrides, want in [
+            (b16, [f"data.path={missing}"], f"override data.path={str(missing)!r}: no such directory"),
+            (DEFAULT, ["train.steps=-3"], "override train.steps=-3: must be positive")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, overrides)
+        assert str(e.value) == want
+    own = tmp_path / "own.yaml"  # the file's own value: the file is named
+    own.write_text(f"base: {DEFAULT}\ndata: {{kind: imagefolder, path: {missing}}}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(own, ["train.steps=5"])
+    assert str(e.value).startswith(f"{own} (base {DEFAULT}): data.path="), str(e.value)

@@ -1,5 +1,10 @@
 """The training loop's parts on their own: the metrics window (device sums, reduction, the log
-line), the event schedule, the checkpoint interval, the start-up's augmentation line and the names of eval files."""
+line), the event schedule, the checkpoint interval, the start-up's augmentation line, the names
+of eval files and the progress bar beside the log."""
+import io
+import logging
+import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +17,7 @@ from vitgraph.config import CheckpointConfig
 from vitgraph.train.checkpoint import Checkpointer
 from vitgraph.train.events import Schedule
 from vitgraph.train.evaluate import eval_file_name, is_runs_own_data
+from vitgraph.train.loop import Progress
 from vitgraph.train.metrics import MetricsWindow, StepResult, duration, graphs_line, train_line
 
 dist1 = world_of_one("torch")
@@ -116,3 +122,50 @@ def test_runs_own_data_is_what_its_config_yaml_names(tmp_path):
     assert is_runs_own_data(cfg)
     cfg.data.num_val = 100
     assert not is_runs_own_data(cfg)
+
+
+def _terminal(written: str) -> list[str]:
+    """The lines a terminal shows for ``written``: a carriage return goes back to the line's
+    start, ESC [K erases to its end, later text overwrites earlier."""
+    lines = []
+    for raw in written.split("\n"):
+        line, pos = "", 0
+        for part in re.split(r"(\r|\x1b\[K)", raw):
+            if part == "\r":
+                pos = 0
+            elif part == "\x1b[K":
+                line = line[:pos]
+            else:
+                line, pos = line[:pos] + part + line[pos + len(part):], pos + len(part)
+        lines.append(line)
+    return lines
+
+
+def test_progress_bar_is_cleared_before_a_log_line_on_the_terminal(tmp_path, monkeypatch):
+    """The bar and the log share the terminal; a log line used to be written on after the
+    bar ('... eta 12s 15:19:26 INFO step 100/200 ...')."""
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    logger = logging.getLogger("vitgraph.test_progress")
+    logger.propagate, logger.level = False, logging.INFO
+    on_terminal, to_file = logging.StreamHandler(tty), logging.FileHandler(tmp_path / "train.log")
+    logger.handlers = [on_terminal, to_file]
+    try:
+        with Progress(10, 0, True, logger) as progress:
+            progress.update(4)
+            logger.info("step 4/10 | loss 2.3")
+            progress.update(5)
+        with pytest.raises(RuntimeError), Progress(10, 5, True, logger) as progress:
+            progress.update(6)
+            raise RuntimeError("a failure: its message starts on a line of its own")
+    finally:
+        logger.handlers = []
+    shown = _terminal(tty.getvalue())
+    assert shown[0] == "step 4/10 | loss 2.3", shown
+    assert shown[1].startswith("[###############               ] 5/10 eta") and \
+        shown[2].startswith("[##################            ] 6/10 eta") and shown[3] == "", shown
+    assert not on_terminal.filters and "\x1b" not in (tmp_path / "train.log").read_text()

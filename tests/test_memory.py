@@ -137,6 +137,17 @@ def plan(monkeypatch, capsys):
     return run
 
 
+def test_plan_says_where_its_gpu_memory_comes_from(plan, monkeypatch):
+    """Without a GPU the plan counts against an H200's memory, and says so."""
+    import shutil
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no nvidia-smi
+    r = plan(ROOT / "configs" / "vit-tiny-shapes.yaml")
+    assert "of 139.8 GiB per GPU (no GPU found: an H200 assumed; --gpu-mem sets it; " \
+        in r.stdout, r.stdout
+    r = plan(ROOT / "configs" / "vit-tiny-shapes.yaml", "--gpu-mem", "80", "--json")
+    assert json.loads(r.stdout)["gpu_mem_source"] == "--gpu-mem"
+
+
 def test_cli_says_what_would_fit(plan):
     r = plan(ROOT / "configs" / "vit-6b-imagefolder.yaml", "train.recompute=none",
               "--gpu-mem", "80")

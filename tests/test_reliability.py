@@ -2,6 +2,7 @@
 
 Each test names the fault, injects it, and checks the outcome and that nothing was lost.
 """
+import datetime
 import errno
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,14 +19,17 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import ROOT, checkpoint_tensors, free_port, tiny_overrides, vitgraph_cmd
+from conftest import (ROOT, assert_results, checkpoint_tensors, free_port, tiny_overrides,
+                      vitgraph_cmd, write_result)
+from vitgraph import config as config_module
 from vitgraph.cli import main
 from vitgraph.config import ConfigError, load_config
+from vitgraph.graphs.backend import RerunBackend
 from vitgraph.train.runcheck import save_config
 from faults import nan_loss_at
 from vitgraph.parallel.dist import Dist
-from vitgraph.train import checkpoint
-from vitgraph.train.preempt import PREEMPTED_EXIT
+from vitgraph.train import checkpoint, loop
+from vitgraph.train.preempt import PREEMPTED_EXIT, StopRequests
 from vitgraph.train.runcheck import check_run_dir
 
 DEFAULT = str(ROOT / "configs" / "vit-tiny-shapes.yaml")
@@ -90,10 +95,16 @@ def test_finished_run_is_read_only_and_more_steps_continue_it(tmp_path, capsys):
     assert "finished run" in out
     assert str((run_dir / "metrics.json").resolve()) in out
     assert "train.steps=20" in out  # how to ask for more
+    assert "for a new run pass run.dir=<another folder>" in out and "run.name" not in out
 
-    code, out, err = train_here(capsys, run_dir, steps=15, **{"checkpoint.every": 5})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")  # as a command shows them, past pytest's filters
+        code, out, err = train_here(capsys, run_dir, steps=15, **{"checkpoint.every": 5})
     assert code == 0, err
     assert "at step 10" in out
+    # torch's ShardedTensor / load_state_dict deprecations, said on every resume
+    assert not [str(w.message) for w in said if "ShardedTensor" in str(w.message)
+                or "load_state_dict" in str(w.message)], said
     log = (run_dir / "train.log").read_text()
     assert "resuming with a changed setting: train.steps 10 -> 15" in log
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -133,9 +144,20 @@ def test_resuming_another_setup_exits_2_naming_each_key(tmp_path, change, keys, 
     err = capsys.readouterr().err
     for key in keys:
         assert re.search(rf"^  {re.escape(key)}: .* \(run\) -> .* \(now\)$", err, re.M), err
-    assert "run.name=" in err and "checkpoint.resume=false" in err
-    assert "Traceback" not in err
+    # the folder was chosen by run.dir: run.name would change nothing
+    assert "run.dir=<another folder>" in err and "run.name" not in err
+    assert "checkpoint.resume=false" in err and "Traceback" not in err
     assert snapshot(run_dir) == before  # stopped before any work: no log, no new files
+
+
+def test_a_run_chosen_by_name_is_told_to_take_another_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # runs/<run.name>
+    cfg = load_config(DEFAULT, ["run.name=a", "train.steps=10"])
+    save_config(cfg, cfg.run_dir / "config.yaml")
+    (cfg.run_dir / "checkpoints" / "step_000010").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        check_run_dir(load_config(DEFAULT, ["run.name=a", "train.steps=10", "optim.lr=0.5"]))
+    assert "Start a new run with run.name=<new name> (or run.dir=<folder>)" in str(e.value)
 
 
 def test_safe_changes_pass_the_resume_check(tmp_path):
@@ -348,6 +370,152 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, env):
     ckpt = run_dir / "checkpoints" / latest
     assert checkpoint.verify(ckpt) == [] and (ckpt / "rng_rank_00001.pt").is_file()
     assert "stop signal (on another rank)" in (run_dir / "train.log").read_text()
+
+
+def _signal_during(monkeypatch, module, name: str, sig) -> None:
+    """``sig`` sent to this process as ``module.name`` starts: a signal during that phase."""
+    real = getattr(module, name)
+
+    def signalled(*args, **kwargs):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.SIG_IGN):  # not this process's
+            pytest.fail(f"{sig.name} during {name} would be lost or end the run unsaid")
+        os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, signalled)
+
+
+@pytest.mark.parametrize("phase,where,sig", [
+    ("launch", (config_module, "load_config"), signal.SIGTERM),
+    ("data", (loop, "build_datasets"), signal.SIGTERM),
+    ("model build", (loop, "parallelize"), signal.SIGUSR1)],
+    ids=["launch", "data", "model-build"])
+def test_a_stop_signal_during_start_up_exits_75_with_nothing_saved(tmp_path, capsys, monkeypatch,
+                                                                  phase, where, sig):
+    """A job preempted while it starts: stopped at the next start-up milestone, exit 75, one
+    line naming the signal and the phase; nothing of the run is made beyond its config and
+    log, and the handlers of before the command are back."""
+    _signal_during(monkeypatch, *where, sig)
+    before = signal.getsignal(sig)
+    run_dir = tmp_path / "run"
+    code, out, err = train_here(capsys, run_dir)
+    line = f"stopped by {sig.name} during start-up ({phase}), nothing saved"
+    assert code == PREEMPTED_EXIT and f"vitgraph: {line} (exit {PREEMPTED_EXIT})" in err, err
+    assert signal.getsignal(sig) is before
+    if phase == "launch":
+        assert not run_dir.exists()
+    else:
+        assert line in (run_dir / "train.log").read_text()
+        made = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*")}
+        assert made <= {"config.yaml", "train.log", "classes.json", "checkpoints"}, made
+
+
+def test_a_stop_signal_during_graph_capture_stops_after_that_step_saved(tmp_path, capsys,
+                                                                         monkeypatch):
+    """The graphs are captured in the first steps: a signal then is one during training."""
+    _signal_during(monkeypatch, RerunBackend, "capture", signal.SIGTERM)
+    run_dir = tmp_path / "run"
+    code, out, err = train_here(capsys, run_dir, "graphs.enabled=true", "graphs.warmup_steps=0")
+    assert code == PREEMPTED_EXIT, err
+    assert "SIGTERM received: stopped after step 1/12" in out and "preempted after step 1" in err
+    assert checkpoint.verify(run_dir / "checkpoints" / "step_000001") == []
+
+
+def test_a_stop_signal_while_the_writer_helper_starts_is_kept(monkeypatch):
+    """megatron's checkpoint-writer helper takes seconds to start (it imports torch and
+    megatron-core): it is spawned with the stop signals blocked (a signal to the whole
+    process group must not kill it), and one sent meanwhile reaches the run's handler once it
+    has started (it was ignored, and the run trained on)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    import multiprocessing.managers
+    import multiprocessing.resource_tracker
+
+    def tracker_started():  # as the stdlib's, after spawning its tracker
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+    class Manager:
+        def __init__(self, ctx):
+            pass
+
+        def start(self, initializer, args):
+            Manager.args, Manager.blocked = args, signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        def Queue(self):
+            return "queue"
+
+    monkeypatch.setattr(fa, "_results_queue", None)
+    monkeypatch.setattr(multiprocessing.managers, "SyncManager", Manager)
+    monkeypatch.setattr(multiprocessing.resource_tracker, "ensure_running", tracker_started)
+    stops = StopRequests(datetime.timedelta(minutes=1)).install()
+    try:
+        assert fa._results_queue == "queue" and stops.received == "SIGTERM"
+    finally:
+        stops.close()
+    assert {signal.SIGTERM, signal.SIGUSR1} <= Manager.blocked  # inherited by the helper
+    assert Manager.args[1:] == ((signal.SIGTERM, signal.SIGUSR1),)  # what it then ignores
+    assert not {signal.SIGTERM, signal.SIGUSR1} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_stop_signal_during_the_imports_exits_75_not_143(tmp_path, env):
+    """The first seconds of `vitgraph train` import torch and megatron-core: a signal then
+    (sent here as torch starts to import) is recorded, not fatal (it killed the process with
+    143, nothing said)."""
+    run_dir = tmp_path / "run"
+    program = ("import os, signal, sys\n"
+               "class SignalAtTorch:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name == 'torch':\n"
+               "            sys.meta_path.remove(self)\n"
+               "            os.kill(os.getpid(), signal.SIGTERM)\n"
+               "sys.meta_path.insert(0, SignalAtTorch())\n"
+               "from vitgraph.cli import main\n"
+               "sys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", program, "train", DEFAULT,
+                        *tiny_overrides(run_dir)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == PREEMPTED_EXIT, r.stderr[-2000:]
+    assert "stopped by SIGTERM during start-up (launch), nothing saved" in r.stderr
+    assert not run_dir.exists()
+
+
+def startup_stop_check(out: str, run_dir: str) -> None:
+    """A call job of the session's launch of two (conftest.launched): SIGUSR1 reaches rank 1
+    alone while it builds the data; both ranks stop at that milestone with exit 75."""
+    import torch.distributed as dist
+    rank, real = dist.get_rank(), loop.build_datasets
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return real(*args, **kwargs)
+
+    if rank == 1:
+        loop.build_datasets = signalled
+    try:
+        code = main(["train", DEFAULT, *tiny_overrides(run_dir, **{
+            "train.global_batch_size": 32, "train.micro_batch_size": 16})])
+    finally:
+        loop.build_datasets = real
+
+    def check():
+        assert code == PREEMPTED_EXIT, code
+        if rank == 0:
+            log = (Path(run_dir) / "train.log").read_text()
+            assert ("stopped by a stop signal (on another rank) during start-up (data), "
+                    "nothing saved") in log, log
+            assert not (Path(run_dir) / "checkpoints").exists()
+    write_result(out, f"rank{rank}", check)
+
+
+def launch_jobs(root) -> dict[int, list]:
+    return {2: [("startup-stop", {"call": "test_reliability:startup_stop_check",
+                                  "kwargs": {"out": str(root / "startup-stop"),
+                                             "run_dir": str(root / "startup-stop-run")}})]}
+
+
+@pytest.mark.multiproc
+def test_a_stop_signal_to_one_rank_during_start_up_stops_every_rank(launched):
+    assert_results(*launched[__name__]["startup-stop"], ["rank0", "rank1"])
 
 
 # ---------------------------------------------------------------- 5. numerical faults

@@ -57,6 +57,28 @@ def test_train_end_to_end_writes_metrics_and_run_dir(tmp_path, env):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000030"
 
 
+def test_start_up_log_names_drop_path_layer_decay_and_the_decode(tmp_path):
+    """What shapes training beyond the architecture is in the log, not only in config.yaml:
+    drop path, the optimizer with its layer decay, where the images are decoded (CPU too)."""
+    from test_reliability import _folder
+    from vitgraph.config import load_config
+    from vitgraph.train.loop import Trainer
+    data = _folder(tmp_path / "data")
+    cfg = load_config(DEFAULT, ["data.kind=imagefolder", f"data.path={data}",
+                                "data.preload=false", "model.drop_path_rate=0.1",
+                                "optim.layer_decay=0.75", *tiny_overrides(tmp_path / "run")])
+    t = Trainer(cfg)
+    t.close()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "48 train / 8 held-out images, 2 classes, decoded on the CPU in 2 threads " \
+           "(data.decode=auto: no GPU)" in log, log
+    assert "drop path 0.1 (model.drop_path_rate)" in log, log
+    depth = 4  # vit_pico_patch4_32
+    assert (f"optim: AdamW lr 1.50e-03 -> 1.00e-05, weight decay 0.05, grad clip 1, layer decay "
+            f"0.75 (encoder layer i of L at lr x 0.75^(L + 1 - i), the embeddings x "
+            f"{0.75 ** (depth + 1):.3g}, the head x 1)") in log, log
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()

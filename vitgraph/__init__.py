@@ -1,6 +1,7 @@
 """vitgraph: train vision encoders the Megatron way."""
 import ctypes
 import os
+import signal
 import warnings
 
 __version__ = "0.1.0"
@@ -47,3 +48,35 @@ def _driver_initialised() -> bool:
         return False
     n = ctypes.c_int()
     return cuda.cuDeviceGetCount(ctypes.byref(n)) != 3
+
+
+# SIGTERM, and SIGUSR1 as SLURM's ``--signal`` sends it: stop the run (docs/reliability.md)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    """Stop signals recorded, not acted on: ``received`` names the first one.
+
+    ``vitgraph train`` installs this before its first heavy import (torch and megatron-core
+    take seconds to import, during which Python's default handler would kill the process
+    with 143 and nothing said); the run checks ``received`` at each start-up milestone and
+    after every step (vitgraph.train.preempt)."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        """The handlers from before ``install``."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

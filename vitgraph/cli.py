@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -13,10 +14,11 @@ CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from vitgraph import __version__
     parser = argparse.ArgumentParser(
         prog="vitgraph", description="Train vision encoders on megatron-core and TE.")
-    parser.add_argument("--version", action="version", version=f"vitgraph {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="vitgraph's version and those of torch, megatron-core and "
+                             "Transformer Engine")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a model from a YAML config",
                         description="Train from CONFIG; key=value pairs override it "
@@ -41,6 +43,31 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--clear", action="store_true", help="delete every cached dataset")
     ca.add_argument("--dir", default=None, help="cache directory (default: data.cache_dir's default)")
     return parser
+
+
+class _Version(argparse.Action):
+    """``--version``: vitgraph's and its engines' versions (from the installed packages'
+    metadata: nothing imported, no GPU touched)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from vitgraph import __version__
+        print(f"vitgraph {__version__} (" + ", ".join(
+            f"{name} {_installed(*dists)}" for name, dists in
+            (("torch", ("torch",)), ("megatron-core", ("megatron-core",)),
+             ("transformer-engine", ("transformer-engine", "transformer-engine-torch")))) +
+            f"; Python {sys.version.split()[0]})")
+        parser.exit()
+
+
+def _installed(*dists: str) -> str:
+    """The version of the first of ``dists`` installed, else 'not installed'."""
+    from importlib import metadata
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return "not installed"
 
 
 def _add_eval(sub) -> None:
@@ -93,7 +120,8 @@ def _add_plan(sub) -> None:
                     help="world size (default: parallel.tp x parallel.pp, i.e. dp 1)")
     pl.add_argument("--gpu-mem", type=float, default=None,
                     help="memory per GPU in GiB (default: this machine's first GPU by "
-                         "nvidia-smi, else 139.8: an H200 as torch reports it; an H100: 79.1)")
+                         "nvidia-smi, else 139.8: an H200 as torch reports it, and the plan says so; an "
+                         "H100: 79.1)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON instead")
 
 
@@ -103,7 +131,7 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vitgraph import set_hardware_queues
+    from vitgraph import StopSignals, set_hardware_queues
     set_hardware_queues()  # before any import below can initialise CUDA
     parser = _parser()
     args = parser.parse_args(argv)
@@ -123,15 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and not args.config:
         parser.train_parser.print_help(sys.stderr)
         return 2
-    from vitgraph.config import ConfigError, check_layout, load_config
+    # a stop signal from here on is recorded, and stops the run at its next start-up
+    # milestone (exit 75); the imports below take seconds, and would die of it unsaid (143)
+    signals = StopSignals().install() if args.command == "train" else None
     try:
-        cfg = load_config(args.config, args.overrides)
-        # torchrun's world size (1 without torchrun): a layout that cannot run stops here
-        check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), args.config)
-    except ConfigError as e:
-        print(f"vitgraph: config error: {e}", file=sys.stderr)
-        return 2
-    return _run(cfg, args)
+        from vitgraph.config import ConfigError, check_layout, load_config
+        try:
+            cfg = load_config(args.config, args.overrides)
+            # torchrun's world size (1 without torchrun): a layout that cannot run stops here
+            check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")), args.config)
+        except ConfigError as e:
+            print(f"vitgraph: config error: {e}", file=sys.stderr)
+            return 2
+        return _run(cfg, args, signals)
+    finally:
+        if signals is not None:
+            signals.restore()
 
 
 def _stacks_on_usr2() -> None:
@@ -143,8 +178,9 @@ def _stacks_on_usr2() -> None:
             pass
 
 
-def _run(cfg, args) -> int:
-    """Train, or evaluate a checkpoint (``vitgraph eval``); the exit code."""
+def _run(cfg, args, signals=None) -> int:
+    """Train, or evaluate a checkpoint (``vitgraph eval``); the exit code. ``signals``: the
+    stop signals recorded since launch (vitgraph.StopSignals)."""
     from vitgraph.config import ConfigError
     from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
@@ -152,8 +188,9 @@ def _run(cfg, args) -> int:
     from vitgraph.train.loop import TrainingFailed
     from vitgraph.train.preempt import PREEMPTED_EXIT, Preempted
     # exit codes: 0 done (or already finished), 2 the user's input (config, data, weights, no
-    # usable checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal with a
-    # checkpoint saved (requeue), 1 a failure during training (traceback in train.log)
+    # usable checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal: with a
+    # checkpoint saved, or during start-up with nothing to save (requeue either way), 1 a
+    # failure during training (traceback in train.log)
     try:
         if args.command == "eval":
             from vitgraph.train.evaluate import evaluate_checkpoint
@@ -162,7 +199,7 @@ def _run(cfg, args) -> int:
                 print(result["path"])
         else:
             from vitgraph.train.loop import train
-            train(cfg)
+            train(cfg, signals)
     except ConfigError as e:  # the run folder holds another run
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
@@ -258,12 +295,13 @@ def _params(args) -> int:
 
 def _plan(args) -> int:
     """`vitgraph plan`: vitgraph.memory's count for a config (CPU only, nothing trained)."""
-    gpu_mem = args.gpu_mem or _gpu_mem_gib()
+    gpu_mem, source = (args.gpu_mem, "--gpu-mem") if args.gpu_mem else _gpu_mem_gib()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the model is built on the meta device, on CPU
     from vitgraph.config import ConfigError
     from vitgraph.memory import report
     try:
-        text, fits = report(args.config, args.overrides, args.gpus, gpu_mem, as_json=args.json)
+        text, fits = report(args.config, args.overrides, args.gpus, gpu_mem, as_json=args.json,
+                            gpu_mem_source=source)
     except ConfigError as e:
         print(f"vitgraph: config error: {e}", file=sys.stderr)
         return 2
@@ -271,16 +309,20 @@ def _plan(args) -> int:
     return 0 if fits else 1
 
 
-def _gpu_mem_gib() -> float:
-    """The first GPU's memory by nvidia-smi (torch would take the GPU), else an H200's."""
+H200_GIB = 139.8  # an H200's memory as torch reports it
+
+
+def _gpu_mem_gib() -> tuple[float, str]:
+    """The first GPU's memory by nvidia-smi (torch would take the GPU), else an H200's; and
+    where the number came from, for the plan to say."""
     import shutil
     import subprocess
     if shutil.which("nvidia-smi"):
         r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
                             "nounits"], capture_output=True, text=True)
         if r.returncode == 0 and r.stdout.split():
-            return int(r.stdout.split()[0]) / 1024
-    return 139.8
+            return int(r.stdout.split()[0]) / 1024, "this machine's first GPU (nvidia-smi)"
+    return H200_GIB, "no GPU found: an H200 assumed; --gpu-mem sets it"
 
 
 def _configs() -> int:
@@ -294,12 +336,17 @@ def _configs() -> int:
             if not line.startswith("#"):
                 break
             header.append(line[1:].strip())
-        sentences = " ".join(header).split(". ")
+        sentences = _SENTENCE_END.split(" ".join(header))
         first = sentences[0].strip()
         if len(first) < 40 and len(sentences) > 1:  # "name: the default" says too little
             first += ". " + sentences[1].strip()
         print(f"{str(f.relative_to(CONFIGS_DIR.parent)):36s} {first}")
     return 0
+
+
+# a full stop and a space: a sentence's end, but not after an abbreviation ("Touvron et al.
+# 2021", "e.g. DeiT", "vs. timm")
+_SENTENCE_END = re.compile(r"(?<!\bal)(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)\.\s+")
 
 
 def _cache(args) -> int:
@@ -352,7 +399,6 @@ def _export(args) -> int:
                 "preprocessing": export_files.preprocessing(arch.image_size)}
         if classes:
             meta["classes"] = classes
-        written = save_safetensors(out, args.out, meta)
         sidecars = {}
         if fmt == "hf":
             sidecars = {"config.json": export_files.hf_config(arch, model_cfg, n, classes),
@@ -363,17 +409,27 @@ def _export(args) -> int:
                                                                 n, classes)}
         elif fmt == "timm_naflex":
             sidecars = {"config.json": export_files.timm_naflex_config_for(model_cfg, n, classes)}
-        for name, content in sidecars.items():
-            side = written.parent / name
-            side.write_text(json.dumps(content, indent=2) + "\n")
-            print(side)
+        folder = Path(args.out).parent
+        texts = {folder / name: json.dumps(content, indent=2) + "\n"
+                 for name, content in sidecars.items()}
+        for side, text in texts.items():  # before anything is written
+            if side.is_file() and side.read_text() != text:
+                raise ConvertError(
+                    f"{side} exists and describes another model: --format {fmt} writes "
+                    f"{', '.join(sidecars)} beside the weights, read from the folder, so one "
+                    f"export per folder; export into another folder or remove it")
+        written = save_safetensors(out, args.out, meta)
+        for side, text in texts.items():
+            side.write_text(text)
     except FileNotFoundError as e:
         print(f"vitgraph: export: {e}", file=sys.stderr)
         return 2
     except (ConfigError, ConvertError) as e:
         print(f"vitgraph: export: {e}", file=sys.stderr)
         return 2
-    print(written)
+    print(f"{written}: the weights ({fmt} names)")
+    for side in texts:
+        print(f"{side}: written beside them ({fmt}'s loaders read it from the folder)")
     return 0
 
 

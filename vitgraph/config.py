@@ -20,7 +20,8 @@ from typing import Any, Optional
 import torch
 import yaml
 
-from vitgraph.config_keys import ConfigError, check_section, coerce_field, key, resume_ok
+from vitgraph.config_keys import (ConfigError, check_section, coerce_field, key, resume_ok,
+                                  where)
 from vitgraph.data.augment import AugmentConfig
 from vitgraph.graphs.config import GraphsConfig
 from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch
@@ -518,6 +519,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
     other values (scalars, lists) replaced."""
     src = str(path) if path else "<defaults>"
     raw: dict = {}
+    given: dict[str, str] = {}  # dotted key -> the override that set it
     if path is not None:
         raw, bases = _read(Path(path), [])
         if bases:
@@ -530,11 +532,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
         value = yaml.safe_load(value) if value != "" else None
         _check_override(item, dotted, value)
         _set_dotted(raw, dotted, value, f"override {item!r}")
+        given[dotted] = item
         # a duration given on the command line replaces the file's other duration
         if dotted in ("train.steps", "train.epochs"):
             _replace_duration(raw, {dotted.split(".")[1]})
-    cfg = _build(Config, raw, src, prefix="")
-    validate(cfg, src, data)
+    cfg = _build(Config, raw, src, "", given)
+    validate(cfg, src, data, given)
     return cfg
 
 
@@ -640,7 +643,9 @@ def _set_dotted(raw: dict, dotted: str, value: Any, src: str) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls, raw: Any, src: str, prefix: str):
+def _build(cls, raw: Any, src: str, prefix: str, overrides: dict | None = None):
+    """``raw`` as the dataclass ``cls``; ``overrides``: dotted key -> the override that set it
+    (an error about such a key names the command line, not ``src``)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{src}: {prefix.rstrip('.') or '<top>'}: expected a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -653,13 +658,15 @@ def _build(cls, raw: Any, src: str, prefix: str):
                               f"{_suggest(prefix, str(name), list(fields))}")
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value if value is not None else {}, src, full + ".")
+            kwargs[name] = _build(hint, value if value is not None else {}, src, full + ".",
+                                  overrides)
         else:
-            kwargs[name] = coerce_field(fields[name], hint, value, f"{src}: {full}")
+            kwargs[name] = coerce_field(fields[name], hint, value, where(src, full, overrides))
     try:
         return cls(**kwargs)
     except ConfigError as e:  # sections that check themselves when made (GraphsConfig)
-        raise ConfigError(f"{src}: {e}") from None
+        name = str(e).split("=", 1)[0]  # "graphs.pool='shard': must be one of ..."
+        raise ConfigError(f"{where(src, name, overrides)}{str(e)[len(name):]}") from None
 
 
 def _suggest(prefix: str, name: str, valid: list[str]) -> str:
@@ -895,16 +902,18 @@ def _validate_between(cfg: Config, arch, err) -> None:
         _validate_native(cfg, arch, err)
 
 
-def validate(cfg: Config, src: str = "<config>", data: bool = True) -> None:
+def validate(cfg: Config, src: str = "<config>", data: bool = True,
+             overrides: dict | None = None) -> None:
     """Every key against its declaration (vitgraph.config_keys), each section's rules (beside
     its dataclass), then the rules between sections; ``data=False`` leaves out data.path's
     folders. Nothing here depends on the machine or the launch (``check_layout`` takes the
-    world size)."""
+    world size). ``overrides``: dotted key -> the override that set it: an error about that
+    key names the command line, not ``src``."""
 
     def err(name, value, why):
-        raise ConfigError(f"{src}: {name}={value!r}: {why}")
+        raise ConfigError(f"{where(src, name, overrides)}={value!r}: {why}")
 
-    check_section(cfg, "", src)
+    check_section(cfg, "", src, overrides)
     _validate_data(cfg.data, err)
     arch = _validate_model(cfg.model, err)
     _validate_train(cfg.train, err)

@@ -161,22 +161,32 @@ def coerce_field(f: dataclasses.Field, hint, value: Any, where: str) -> Any:
     return coerce(hint, value, where)
 
 
-def check_section(section: Any, prefix: str, src: Optional[str] = None) -> None:
+def check_section(section: Any, prefix: str, src: Optional[str] = None,
+                  overrides: Optional[dict] = None) -> None:
     """Check every field of the dataclass ``section`` (whose keys start with ``prefix``, e.g.
-    "graphs.") and of the sections inside it against its type and ``key()`` declaration."""
-    at = f"{src}: " if src else ""
+    "graphs.") and of the sections inside it against its type and ``key()`` declaration.
+    ``overrides``: dotted key -> the command line's ``key=value`` that set it (an error names
+    that rather than the file)."""
     hints = typing.get_type_hints(type(section))
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         name = prefix + f.name
         if dataclasses.is_dataclass(hints[f.name]):
-            check_section(value, name + ".", src)
+            check_section(value, name + ".", src, overrides)
             continue
         spec = declared(f)
-        coerce_field(f, hints[f.name], value, at + name)
+        coerce_field(f, hints[f.name], value, where(src, name, overrides))
         why = spec.problem(value, section)
         if why:
-            raise ConfigError(f"{at}{name}={value!r}: {why}")
+            raise ConfigError(f"{where(src, name, overrides)}={value!r}: {why}")
+
+
+def where(src: Optional[str], name: str, overrides: Optional[dict] = None) -> str:
+    """How an error names the key ``name``: 'override train.steps' when the command line set
+    it (``overrides``), else '<src>: train.steps' (the file)."""
+    if overrides and name in overrides:
+        return f"override {name}"
+    return f"{src}: {name}" if src else name
 
 
 def resume_ok(cls: type, dotted: str) -> bool:

@@ -429,9 +429,11 @@ def alternatives(cfg, model: Model, layout: Layout, budget: int) -> list[str]:
 
 
 def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
-           micro_batch: int | None = None, as_json: bool = False) -> tuple[str, bool]:
+           micro_batch: int | None = None, as_json: bool = False,
+           gpu_mem_source: str = "") -> tuple[str, bool]:
     """The text (or JSON) of ``vitgraph plan`` and whether the run fits ``gpu_mem_gib`` per
-    GPU; ``gpus`` None: parallel.tp x parallel.pp (dp 1)."""
+    GPU (``gpu_mem_source``: where that number came from, said beside it); ``gpus`` None:
+    parallel.tp x parallel.pp (dp 1)."""
     cfg = load_config(path, overrides, data=False)
     gpus = gpus or cfg.parallel.tp * cfg.parallel.pp
     check_layout(cfg, gpus, str(path))
@@ -458,7 +460,8 @@ def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
     lines.append(f"{'microbatches in flight':<24}" + "".join(f"{s.in_flight:>10}" for s in plan.stages))
     fits = plan.peak <= budget
     lines.append(f"peak {plan.peak_gib:.1f} GiB of {gpu_mem_gib:g} GiB per GPU "
-                 f"({CUDA_CONTEXT_GIB} GiB kept for the CUDA context): "
+                 + (f"({gpu_mem_source}; " if gpu_mem_source else "(")
+                 + f"{CUDA_CONTEXT_GIB} GiB kept for the CUDA context): "
                  + ("fits" if fits else "DOES NOT FIT"))
     best = largest_micro_batch(cfg, model, layout, budget)
     full = Recompute("full", "uniform", 1)
@@ -477,7 +480,8 @@ def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
             "micro_batch": plan.micro_batch, "microbatches": plan.microbatches,
             "precision": plan.precision, "recompute": plan.recompute, "graphs": plan.graphs,
             "stages": [{**asdict(s), "total": s.total} for s in plan.stages],
-            "peak_gib": plan.peak_gib, "gpu_mem_gib": gpu_mem_gib, "fits": fits,
+            "peak_gib": plan.peak_gib, "gpu_mem_gib": gpu_mem_gib,
+            **({"gpu_mem_source": gpu_mem_source} if gpu_mem_source else {}), "fits": fits,
             "largest_micro_batch": best, "largest_micro_batch_full_recompute": best_full,
             "would_fit": alt}, indent=1), fits
     return "\n".join(lines), fits

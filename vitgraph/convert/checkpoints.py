@@ -4,15 +4,33 @@ which is intact and newest. vitgraph.train.checkpoint writes them; training, ``v
 eval`` / ``export`` and a distillation teacher find them here."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vitgraph.convert.tables import ConvertError
+
+# what torch (2.13) and megatron-core (0.16.1) say on every checkpoint read, to no one who can
+# act on it: megatron's dist_checkpointing reads through torch's deprecated ShardedTensor and
+# load_state_dict, and a read without a process group (vitgraph export) is one process as asked
+_READ_NOTICES = ((FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+                 (FutureWarning, r"`load_state_dict` is deprecated and will be removed"),
+                 (UserWarning, r"torch.distributed is disabled, unavailable or uninitialized"))
+
+
+@contextlib.contextmanager
+def quiet_reads():
+    """A checkpoint read without torch's and megatron-core's notices (_READ_NOTICES)."""
+    with warnings.catch_warnings():
+        for category, message in _READ_NOTICES:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        yield
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"

@@ -10,11 +10,11 @@ process group), whatever the tp / pp layout of the run that wrote it.
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
 import torch
 
+from vitgraph.convert.checkpoints import quiet_reads
 from vitgraph.convert.names import ConvertError
 
 # a stacked layer tensor: "[visual.|text.]decoder.layers.<rest>" with no layer number
@@ -55,8 +55,7 @@ def read_dist_weights(dist_dir: Path, ema: bool = False) -> tuple[dict[str, torc
             model = []
     stacked = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in model}
     if stacked:
-        with warnings.catch_warnings():  # "assuming ... a single process": as asked (no_dist)
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with quiet_reads():  # "assuming ... a single process": as asked (no_dist)
             dcp.load(stacked, storage_reader=reader, no_dist=True)
     out = {}
     for name, t in stacked.items():

@@ -8,7 +8,7 @@ sequence and ``pack_inputs`` turns into model inputs (vitgraph/data/native.py).
 """
 
 from vitgraph.data.dataset import DataError, ImageDataset
-from vitgraph.data.decode import EncodedImages
+from vitgraph.data.decode import EncodedImages, resolve_decode
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
 from vitgraph.data.imagefolder import build_imagefolder, build_imagefolder_native
 from vitgraph.data.native import (NativeDataset, PackedLoader, iterate_eval_packs, pack_inputs,
@@ -40,6 +40,28 @@ def build_datasets(data_cfg, seed: int, native: bool = False) -> tuple:
                     "or 'webdataset')")
 
 
+def decode_line(data_cfg, native: bool = False, cuda: bool = False) -> str:
+    """How the run's image files are decoded, and why (the start-up log's data line); "" for
+    the shapes, drawn rather than decoded. ``cuda``: whether the run has a GPU."""
+    if data_cfg.kind == "shapes":
+        return ""
+    asked = getattr(data_cfg, "decode", "cpu")
+    if data_cfg.kind == "imagefolder" and getattr(data_cfg, "preload", True) and not native:
+        return "decoded up front on the CPU (data.preload=true)"
+    got = resolve_decode(asked)
+    if asked != "auto":
+        why = f"data.decode={asked}"
+    elif got == "cuda":
+        why = "data.decode=auto: a GPU and torchvision's nvJPEG"
+    else:
+        why = "data.decode=auto: " + ("torchvision's nvJPEG missing" if cuda else "no GPU")
+    if got == "cpu":
+        return f"decoded on the CPU in {data_cfg.workers} threads ({why})"
+    share = getattr(data_cfg, "cpu_decode_share", 0.0)
+    return (f"decoded by nvJPEG on the GPU ({why})"
+            + (f", {share:.0%} on the CPU (data.cpu_decode_share)" if share else ""))
+
+
 __all__ = ["DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader", "NativeDataset",
-           "PackedLoader", "SHAPES_CLASSES", "build_datasets",
+           "PackedLoader", "SHAPES_CLASSES", "build_datasets", "decode_line",
            "iterate_eval", "iterate_eval_packs", "pack_inputs", "pack_spec", "to_model_input"]

@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -37,6 +39,8 @@ from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
                                                  zero_shot_top1)
 from vitgraph.text import make_tokenizer
+
+log = logging.getLogger("vitgraph")
 
 
 def _tower_flops(n_params: int, tokens: int, layers: int, width: int) -> float:
@@ -151,15 +155,35 @@ class ContrastiveTask(Task):
                            f"{self.context_length} text positions, "
                            f"{self.flops_per_token[0] / 1e9:.3f} GFLOP/image token + "
                            f"{self.flops_per_token[1] / 1e6:.3f} MFLOP/token pair in attention "
-                           f"+ {self.text_flops / 1e9:.2f} GFLOP/caption (train)")
+                           f"+ {self.text_flops / 1e9:.2f} GFLOP/caption (train)"
+                           + self._caption_dropout_line())
         return head + (f"{m.visual.seq_len} image tokens, {self.context_length} text positions, "
-                       f"{self.flops_per_sample / 1e9:.2f} GFLOP/pair (train)")
+                       f"{self.flops_per_sample / 1e9:.2f} GFLOP/pair (train)"
+                       + self._caption_dropout_line())
+
+    def _caption_dropout_start(self) -> int:
+        """The 0-based step from which data.caption_dropout applies."""
+        return int(self.plan.data.caption_dropout_start * (self.total_steps or 0))
+
+    def _caption_dropout_line(self) -> str:
+        d = self.plan.data
+        if not d.caption_dropout:
+            return ""
+        start = self._caption_dropout_start()
+        return (f"; caption dropout {d.caption_dropout:g} "
+                + (f"after step {start} (data.caption_dropout_start {d.caption_dropout_start:g})"
+                   if start else "from the first step"))
 
     def caption_dropout(self, key) -> float:
         """data.caption_dropout at training step ``key[0]`` (0-based): 0 before
-        data.caption_dropout_start of the run's steps, and for eval (key None)."""
+        data.caption_dropout_start of the run's steps, and for eval (key None). Its first
+        step says so in the log: the training loss rises there."""
         d = self.plan.data
-        start = int(d.caption_dropout_start * (self.total_steps or 0))
+        start = self._caption_dropout_start()
+        if d.caption_dropout and start and key is not None and key == (start, 0):
+            log.info("caption dropout %g begins after step %d (data.caption_dropout_start): "
+                     "training captions lose words, the training loss rises", d.caption_dropout,
+                     start)
         return d.caption_dropout if key is not None and key[0] >= start else 0.0
 
     def _draw_captions(self, tokens, key, pairs_per_microbatch: int | None = None):

@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from vitgraph.config import CheckpointConfig
 from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
-from vitgraph.convert.checkpoints import CheckpointError, step_dirs, verify, write_manifest
+from vitgraph.convert.checkpoints import (CheckpointError, quiet_reads, step_dirs, verify,
+                                          write_manifest)
 from vitgraph.convert.export_files import write_classes
 from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
@@ -187,7 +188,9 @@ def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
         raise CheckpointError(f"{directory}: no dist/ folder; not a vitgraph checkpoint of this "
                               f"format")
     try:
-        state = dist_checkpointing.load({**sharded_template, "step": None}, str(directory / "dist"))
+        with quiet_reads():
+            state = dist_checkpointing.load({**sharded_template, "step": None},
+                                            str(directory / "dist"))
     except Exception as e:
         raise CheckpointError(f"{directory / 'dist'}: cannot be read ({type(e).__name__}: "
                               f"{e})") from None
@@ -200,18 +203,21 @@ def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
 
 
 def start_writer_helper(signals) -> None:
-    """Start megatron's checkpoint-writer helper process now, with ``signals`` ignored, and
-    bound to this process's life.
+    """Start megatron's checkpoint-writer helper process now, deaf to ``signals``, and bound
+    to this process's life.
 
     megatron-core 0.16.1 collects its writers' results through a multiprocessing manager, a
     process spawned at the first save and kept. ``timeout``, a terminal and SLURM signal a
     job's whole process group: a stop signal killed that helper, so the preemption save that
-    signal asked for failed (EOFError or BrokenPipeError, on an H200 run). An ignored
-    signal stays ignored across the spawned process's exec; the handlers here are set after.
-    So the helper cannot be stopped by those signals: it ends with this process (megatron's
-    finalizer) or, when this process is killed outright (``kill -9``, the OOM killer), by the
-    parent-death signal ``_die_with_parent`` asks the kernel for (before, it stayed behind).
-    Made here as megatron makes it (a spawn-context manager's queue), in megatron's slot."""
+    signal asked for failed (EOFError or BrokenPipeError, on an H200 run). So the signals
+    are blocked in this thread while the helper is spawned: it inherits the mask across
+    exec, and its initializer (``_die_with_parent``) ignores them before unblocking them.
+    Blocked, not ignored, here: a signal meant for this process waits until the helper has
+    started (seconds: it imports torch and megatron-core) and then reaches the run's handler;
+    ignoring it here for that while lost it, and the run trained on. The helper ends with
+    this process (megatron's finalizer) or, when this process is killed outright (``kill
+    -9``, the OOM killer), by the parent-death signal ``_die_with_parent`` asks the kernel
+    for. Made here as megatron makes it (a spawn-context manager's queue), in megatron's slot."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:
@@ -219,20 +225,30 @@ def start_writer_helper(signals) -> None:
     if getattr(fa, "_results_queue", True) is not None or not hasattr(fa, "_get_write_results_queue"):
         return  # started already, or a megatron-core that does not keep one
     import multiprocessing
+    from multiprocessing import resource_tracker
     from multiprocessing.managers import SyncManager
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    signals = tuple(int(s) for s in signals)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
+        # a spawn starts multiprocessing's resource tracker first, which blocks SIGINT and
+        # SIGTERM to spawn it and then unblocks them (not the mask it found): the helper
+        # spawned after would take SIGTERM again. So the tracker first, then block again.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(_die_with_parent, (os.getpid(),))
+        manager.start(_die_with_parent, (os.getpid(), signals))
         fa._results_queue = manager.Queue()  # the proxy keeps the manager (and its finalizer)
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending signal arrives now
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the writer helper: SIGKILL when the training process's thread that started it ends
-    (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing changes)."""
+def _die_with_parent(parent: int, signals: tuple = ()) -> None:
+    """In the writer helper: ``signals`` (blocked since it was spawned) ignored, and SIGKILL
+    when the training process's thread that started it ends (Linux prctl
+    PR_SET_PDEATHSIG; elsewhere nothing changes)."""
+    for s in signals:
+        signal.signal(s, signal.SIG_IGN)  # discards one pending: it was the job's, not ours
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     try:
         ok = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL)) == 0
     except (OSError, AttributeError):
@@ -418,7 +434,8 @@ def load_model(path: Path, chunks: list, ema: bool = False) -> int:
     checkpoint when it holds none."""
     from megatron.core import dist_checkpointing
     template = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    state = dist_checkpointing.load(template, str(path / "dist"))
+    with quiet_reads():
+        state = dist_checkpointing.load(template, str(path / "dist"))
     for i, c in enumerate(chunks):
         c.load_state_dict(state[f"model{i}"])
     if ema:
@@ -445,7 +462,8 @@ def _load_ema_weights(path: Path, chunks: list) -> None:
                 template[str(len(template))] = make_sharded_optimizer_tensor(
                     sh, torch.empty(sh.data.shape, dtype=torch.float32, device=sh.data.device),
                     "ema")
-    state = dist_checkpointing.load({"ema": {"weights": template}}, str(path / "dist"))
+    with quiet_reads():
+        state = dist_checkpointing.load({"ema": {"weights": template}}, str(path / "dist"))
     with torch.no_grad():
         for i, p in enumerate(params):
             p.copy_(state["ema"]["weights"][str(i)])

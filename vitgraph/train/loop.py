@@ -12,10 +12,10 @@ import traceback
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from vitgraph import HARDWARE_QUEUES, hardware_queues
+from vitgraph import HARDWARE_QUEUES, StopSignals, hardware_queues
 from vitgraph.config import Config, ConfigError, validate_machine
 from vitgraph.convert import ConvertError
-from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets
+from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets, decode_line
 from vitgraph.data.augment import augment_line
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.cudnn import warn_if_fallback
@@ -31,7 +31,7 @@ from vitgraph.train.events import Schedule
 from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, eval_line, graphs_line,
                                     train_line)
-from vitgraph.train.optim import build_optimizer, build_scheduler
+from vitgraph.train.optim import build_optimizer, build_scheduler, lr_scales, optim_line
 from vitgraph.train.preempt import Preempted, StopRequests
 from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0, save_config
 
@@ -57,11 +57,19 @@ def _start_run_dir(cfg: Config) -> None:
 
 
 class Progress:
-    """A one-line progress bar on rank 0's terminal (nothing when stderr is not a terminal)."""
+    """A one-line progress bar on rank 0's terminal (nothing when stderr is not a terminal).
+    A log line to the terminal clears it first (the bar has no newline of its own: the line
+    was written on after it), and the next update draws it again below."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
+    def __init__(self, total: int, start: int, enabled: bool, logger=log):
         self.total, self.start, self.t0 = total, start, time.time()
         self.enabled = enabled and sys.stderr.isatty()
+        self.shown = False
+        # the log's terminal handlers (a FileHandler is a StreamHandler too: not those)
+        self._handlers = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
+                          and not isinstance(h, logging.FileHandler)] if self.enabled else []
+        for h in self._handlers:
+            h.addFilter(self)
 
     def update(self, step: int, extra: str = "") -> None:
         if not self.enabled:
@@ -72,10 +80,28 @@ class Progress:
         bar = "#" * int(30 * frac)
         sys.stderr.write(f"\r[{bar:<30}] {step}/{self.total} eta {eta:5.0f}s {extra}")
         sys.stderr.flush()
+        self.shown = True
+
+    def filter(self, record) -> bool:
+        """Before a log line reaches the terminal: the bar's line cleared (logging.Filter)."""
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")  # to the line's start, erase to its end
+            sys.stderr.flush()
+            self.shown = False
+        return True
 
     def close(self) -> None:
-        if self.enabled:
+        for h in self._handlers:
+            h.removeFilter(self)
+        if self.shown:
             sys.stderr.write("\n")
+            self.shown = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # a stop or a failure too: its message starts on a line of its own
 
 
 class TrainingFailed(RuntimeError):
@@ -86,14 +112,34 @@ class Trainer:
     """One run's training on this rank: ``cfg`` resolved into a plan (vitgraph.plan), then
     built from it (process groups, task, data, model, optimizer), then ``run()``. ``stops``:
     the run's stop requests (train() installs them before start-up, so a signal during it is
-    not lost); None: installed by ``run``."""
+    not lost: it stops the run at the next start-up milestone); None: installed by ``run``."""
 
     def __init__(self, cfg: Config, stops: StopRequests | None = None):
         self.stops = stops
         self.run_dir = cfg.run_dir
         _start_run_dir(cfg)
+        try:
+            self._build(cfg)
+        except BaseException:  # a stop signal at a milestone, or a failure: let go of what
+            self.close(shutdown_dist=False, failed=True)  # was made (train() shuts down)
+            raise
+
+    def _at_startup(self, phase: str) -> None:
+        """A start-up milestone: stop here, nothing saved, when a stop signal has come."""
+        if self.stops is None:
+            return
+        try:
+            self.stops.at_startup(phase)
+        except Preempted as e:
+            log.warning("%s", e)
+            raise
+
+    def _build(self, cfg: Config) -> None:
+        """The plan, the process groups, the data, the task and the model, then what trains
+        it (_build_training), with a start-up milestone after each long part."""
         self.plan = plan = resolve(cfg, launched_world_size())
         self.d = d = init_distributed(plan)
+        self._at_startup("process groups")
         t = plan.train
         queues = hardware_queues()
         log.info("vitgraph: world %d = dp %d x tp %d x pp %d on %s", d.world, d.dp, d.tp, d.pp,
@@ -120,18 +166,22 @@ class Trainer:
         if plan.data.prefetch:
             self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
+        self._at_startup("data")
         # the task (vitgraph.tasks: the model, its batches and its loss) and this rank's model
         # chunks (one per virtual pipeline stage), wrapped for precision, data parallelism and
         # graphs
         self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
-        log.info("data: %s, %d train / %d held-out images, %d classes (%.1fs)", plan.data.kind,
+        decoded = decode_line(plan.data, plan.native, d.cuda)
+        log.info("data: %s, %d train / %d held-out images, %d classes%s (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
-                 len(self.train_set.classes), time.time() - t0)
+                 len(self.train_set.classes), f", {decoded}" if decoded else "",
+                 time.time() - t0)
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
         self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
         self._build_training()
+        self._at_startup("model build")
 
     def _build_training(self) -> None:
         """What trains the wrapped chunks: the optimizer, its LR schedule, the EMA, megatron's
@@ -142,8 +192,11 @@ class Trainer:
         self.ema = build_ema(plan.ema, self.optimizer, d.device)
         self.scheduler = build_scheduler(self.optimizer, plan.optim, self.total_steps)
         self.flops_per_sample = self.task.flops_per_sample
-        log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
-                 plan.precision_name)
+        drop_path = plan.model.drop_path_rate
+        log.info("model: %s, %s%s", self.task.describe(self.chunks, t.micro_batch_size),
+                 plan.precision_name,
+                 f", drop path {drop_path:g} (model.drop_path_rate)" if drop_path else "")
+        log.info("optim: %s", optim_line(plan.optim, lr_scales(self.chunks, plan.optim.layer_decay)))
         log.info("graphs: %s", plan.graphs)
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
@@ -268,39 +321,39 @@ class Trainer:
         self.maybe_resume()
         if self.stops is None:
             self.stops = StopRequests(collective_timeout(self.plan.parallel)).install()
+        self._at_startup("resume")  # the last milestone: graphs are captured in the first steps
         health = StepHealth(t.max_bad_steps)
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
                                self.flops_per_sample, t.peak_flops if self.d.cuda else None,
                                flops_per_token=getattr(self.task, "flops_per_token", None)
                                if self.plan.native else None,
                                extra_stats=self.task.extra_stats)
-        progress = Progress(self.total_steps, self.step, t.progress and self.d.rank == 0)
         t_start, first_step, record = time.time(), self.step, {}
-        while self.step < self.total_steps:
-            self.graphs.step_begin(self.step)
-            result = self.train_step(self.loader.next_step(),
-                                     getattr(self.loader, "stage_next", None))
-            self.step += 1
-            health.update(result.outcome)
-            window.add(result, getattr(self.loader, "last_counts", None))
-            if health.on_host():  # known without a sync: stop at once
-                health.check(self.step)
-            due = self.schedule.after(self.step)
-            if due.log:
-                eta = (time.time() - t_start) / (self.step - first_step) \
-                    * (self.total_steps - self.step)
-                record = self._log_window(window, health, eta)
-            progress.update(self.step)
-            if due.stop_check and self.stops.poll():
-                self._stop_preempted()
-            if due.eval:
-                self._evaluate_and_log()
-                window.restart_clock()
-            if self.checkpointer.due(self.step):
-                health.check(self.step)  # a run of bad steps at the limit stops unsaved
-                self.checkpointer.save(self.step)
-                window.restart_clock()
-        progress.close()
+        with Progress(self.total_steps, self.step, t.progress and self.d.rank == 0) as progress:
+            while self.step < self.total_steps:
+                self.graphs.step_begin(self.step)
+                result = self.train_step(self.loader.next_step(),
+                                         getattr(self.loader, "stage_next", None))
+                self.step += 1
+                health.update(result.outcome)
+                window.add(result, getattr(self.loader, "last_counts", None))
+                if health.on_host():  # known without a sync: stop at once
+                    health.check(self.step)
+                due = self.schedule.after(self.step)
+                if due.log:
+                    eta = (time.time() - t_start) / (self.step - first_step) \
+                        * (self.total_steps - self.step)
+                    record = self._log_window(window, health, eta)
+                progress.update(self.step)
+                if due.stop_check and self.stops.poll():
+                    self._stop_preempted()
+                if due.eval:
+                    self._evaluate_and_log()
+                    window.restart_clock()
+                if self.checkpointer.due(self.step):
+                    health.check(self.step)  # a run of bad steps at the limit stops unsaved
+                    self.checkpointer.save(self.step)
+                    window.restart_clock()
         health.check(self.step)
         return self._finish(record, time.time() - t_start)
 
@@ -389,10 +442,12 @@ def _wire_ddp(mc, wrapped: list, optimizer, p) -> None:
     mc.grad_scale_func = optimizer.scale_loss
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, signals: StopSignals | None = None) -> dict:
     """Train ``cfg``'s run (resuming it if its folder holds one). Raises ConfigError before any
     work when the folder holds a different run; returns the stored metrics of a finished run
-    without touching it."""
+    without touching it. ``signals``: the stop signals the CLI has recorded since before its
+    imports (None: recorded from here on). Raises Preempted when one comes: at the next
+    start-up milestone, or after the step that is running, saved."""
     validate_machine(cfg)
     try:
         changes = check_run_dir(cfg)
@@ -401,8 +456,10 @@ def train(cfg: Config) -> dict:
             print(done, flush=True)
         return done.metrics
     trainer, failed = None, False
-    stops = StopRequests(collective_timeout(cfg.parallel)).install()
+    stops = StopRequests(collective_timeout(cfg.parallel), signals)
     try:
+        stops.at_startup("launch")  # before the run folder, the data and the writer helper
+        stops.install()
         trainer = Trainer(cfg, stops)
         for key, old, new in changes:
             log.info("resuming with a changed setting: %s %r -> %r", key, old, new)

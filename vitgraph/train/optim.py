@@ -70,6 +70,17 @@ def lr_scales(chunks: list, decay: float | None) -> dict[int, float]:
             else 1.0 for p in params}
 
 
+def optim_line(o, scales: dict[int, float]) -> str:
+    """The start-up log's optimizer line (``o``: the optim section; ``scales``: lr_scales)."""
+    line = (f"AdamW lr {o.lr:.2e} -> {o.min_lr:.2e}, weight decay {o.weight_decay:g}, "
+            + (f"grad clip {o.clip_grad:g}" if o.clip_grad else "no grad clipping"))
+    if o.layer_decay is None or o.layer_decay == 1.0:
+        return line + ", no layer decay"
+    return line + (f", layer decay {o.layer_decay:g} (encoder layer i of L at lr x "
+                   f"{o.layer_decay:g}^(L + 1 - i), the embeddings x {min(scales.values()):.3g}, "
+                   f"the head x 1)")
+
+
 def _aligned(keys: list) -> list:
     """``keys`` (hashable, sortable) united over every rank, sorted: each rank makes the same
     param groups (empty where it holds none of a group's parameters), as megatron does,

@@ -76,8 +76,8 @@ def check_run_dir(cfg: Config) -> list[tuple[str, object, object]]:
         lines = "\n".join(f"  {k}: {o!r} (run) -> {n!r} (now)" for k, o, n in unsafe)
         raise ConfigError(
             f"{run_dir} holds a run with another setup; resuming it with this config would "
-            f"train something else:\n{lines}\nStart a new run with run.name=<new name> (or "
-            f"run.dir=...), or start this one over with checkpoint.resume=false.")
+            f"train something else:\n{lines}\nStart a new run with {_new_run(cfg)}, or start "
+            f"this one over with checkpoint.resume=false.")
     if metrics_path.is_file():
         _stop_if_finished(cfg, metrics_path)
     return changes
@@ -103,7 +103,15 @@ def _stop_if_finished(cfg: Config, metrics_path: Path) -> None:
         f"vitgraph: {run_dir} is a finished run (step {done}); nothing was changed. Results: "
         f"{metrics_path.resolve()} (log {run_dir / 'log.jsonl'}, checkpoints "
         f"{run_dir / 'checkpoints'}). To train it further ask for more steps, e.g. "
-        f"train.steps={2 * done}; for a new run pass run.name=<new name>.", metrics)
+        f"train.steps={2 * done}; for a new run pass {_new_run(cfg)}.", metrics)
+
+
+def _new_run(cfg: Config) -> str:
+    """How this command names another run folder: run.dir when it chose its folder by
+    run.dir (run.name then changes nothing), else run.name."""
+    if cfg.run.dir:
+        return "run.dir=<another folder>"
+    return "run.name=<new name> (or run.dir=<folder>)"
 
 
 def is_rank0() -> bool:
