@@ -120,7 +120,8 @@ class Launches:
 
     def __init__(self, items, tmp_path_factory, timeout: int = 1500):
         import train_in_turn as turn
-        items = [i for i in items if hasattr(i.module, "launch_jobs")]
+        items = [i for i in items  # the modules of the selected tests that read them
+                 if hasattr(i.module, "launch_jobs") and "launched" in i.fixturenames]
         modules = sorted({i.module for i in items}, key=lambda m: m.__name__)
         multiproc = {i.module for i in items if "multiproc" in i.keywords}  # -m "not multiproc"
         self.by_world: dict[int, list] = {}
