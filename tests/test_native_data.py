@@ -110,6 +110,30 @@ def test_packs_keep_their_budget_shapes_and_layout():
                 assert torch.equal(patches[a + 1:b], ds.images.rows(i, (gh, gw), P))
 
 
+def test_padded_slots_hold_what_packs_of_as_many_images_would():
+    """data.packing.layout=padded: the loader fills each pack's slots with the images a pack
+    of as many images (and room for them) takes; image i at the start of slot i."""
+    ds = toy(200, hi=60)
+    slots = pack_spec(types.SimpleNamespace(tokens_per_microbatch=200, max_images=8,
+                                            max_patches=40, min_patches=1), P, 1, padded=True)
+    assert (slots.max_images, slots.tokens, slots.num_segments) == (4, 4 * 41, 4)
+    room = spec(tokens=4 * 41, max_images=4, max_patches=40)
+    a, b = (PackedLoader(ds, s, 2, 0, 1, seed=0) for s in (slots, room))
+    for _ in range(3):
+        assert a.next_packs() == b.next_packs()
+    grids = ds.grids(slots)
+    for fields in a.next_step():
+        patches, coords, seg, cu, labels = fields
+        assert cu.tolist() == [0, 41, 82, 123, 164] and ids(fields)
+        for k, i in enumerate(ids(fields)):
+            n = 1 + int(grids[i, 0] * grids[i, 1])
+            assert (seg[41 * k:41 * k + n] == k).all() and (seg[41 * k + n:41 * (k + 1)] == 4).all()
+            assert torch.equal(patches[41 * k + 1:41 * k + n], ds.images.rows(i, tuple(grids[i]), P))
+    # the model runs M * max_len tokens as slots of max_len: the budget must be exactly that
+    with pytest.raises(ValueError, match="padded slots"):
+        dataclasses.replace(slots, tokens=200)
+
+
 def test_determinism_and_seeds():
     ds, s = toy(), spec()
     a = [PackedLoader(ds, s, 2, 0, 1, seed=5).next_step() for _ in range(2)]
@@ -526,7 +550,18 @@ def test_pack_spec_from_the_packing_keys():
                                  min_patches=2)
     s = pack_spec(keys, patch_size=16, num_prefix=2)
     assert (s.tokens, s.max_images, s.max_patches, s.min_patches) == (4096, 64, 256, 2)
-    assert (s.patch_size, s.num_prefix, s.max_len) == (16, 2, 258)
+    assert (s.patch_size, s.num_prefix, s.max_len) == (16, 2, 258) and not s.padded
+    # padded: the slots of max_len the budget holds (max_images at most), for FP8 rounded
+    # down to a multiple of 16 tokens
+    s = pack_spec(keys, 16, 2, padded=True)
+    assert (s.tokens, s.max_images, s.padded) == (15 * 258, 15, True)
+    assert pack_spec(keys, 16, 2, padded=True, multiple=16).max_images == 8
+    few = types.SimpleNamespace(**{**vars(keys), "max_images": 4})
+    assert pack_spec(few, 16, 2, padded=True).max_images == 4
+    with pytest.raises(ValueError, match="FP8"):
+        pack_spec(few, 16, 2, padded=True, multiple=16)
+    with pytest.raises(ValueError, match="parallel.tp=4"):
+        pack_spec(keys, 16, 2, padded=True, split=4)
 
 
 def test_augment_pack_leaves_prefix_and_padding_alone():

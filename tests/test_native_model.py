@@ -41,20 +41,25 @@ def tower_config(d):
                   activation="gelu", eps=1e-6)
 
 
-def spec_for(class_token, registers, max_images=5, tokens=96, max_patches=24):
+def spec_for(class_token, registers, max_images=5, tokens=96, max_patches=24, padded=False):
+    prefix = int(class_token) + registers
+    if padded:  # each image in a slot of its own
+        tokens = max_images * (prefix + max_patches)
     return PackSpec(tokens=tokens, max_images=max_images, max_patches=max_patches,
-                    num_prefix=int(class_token) + registers, patch_size=ARCH.patch_size)
+                    num_prefix=prefix, patch_size=ARCH.patch_size, padded=padded)
 
 
 def make_vit(d, pool, attention="thd", seed=0, **kw):
     from vitgraph.models.specs import get_layer_spec
     from vitgraph.models.vit import ViT
     cls, regs, head, interp, pooling = POOLS[pool]
-    spec = spec_for(cls, regs, **kw)
+    padded = attention == "padded"
+    spec = spec_for(cls, regs, padded=padded, **kw)
     torch.manual_seed(seed)
-    model = ViT(tower_config(d), get_layer_spec("torch", padding_mask=attention == "padded"),
+    model = ViT(tower_config(d), get_layer_spec("torch", padding_mask=padded),
                 ARCH, 7, num_registers=regs, class_token=cls, pool=pooling, head=head, pack=spec,
-                packed_attention=attention, pos_interp=interp)
+                pos_interp=interp)
+    assert model.packed_attention == attention
     with torch.no_grad():  # away from the init's zeros (head) and ones (norms)
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -173,11 +178,15 @@ def test_empty_slots_and_an_empty_pack_are_finite(dist1, pool):
 @pytest.mark.parametrize("pool", ["cls", "map"])
 def test_padded_layout_equals_the_pack(dist1, pool):
     model, spec = make_vit(dist1, pool)
-    padded, _ = make_vit(dist1, pool, attention="padded")
+    padded, slots = make_vit(dist1, pool, attention="padded")
     padded.load_state_dict(model.state_dict())
     rows, inputs, _ = pack_of(GRIDS, spec)
-    fields = pk.padded_layout(rows, GRIDS, list(range(len(GRIDS))), spec)
+    fields = assemble(rows, GRIDS, list(range(len(GRIDS))), slots)
     assert fields[0].shape[0] == spec.max_images * spec.max_len == padded.padded_len(1)
+    # image i at the start of slot i, the slots' bounds (an empty one's too) as cu_seqlens
+    L = spec.max_len
+    assert fields[3].tolist() == [i * L for i in range(spec.max_images + 1)]
+    assert fields[2][::L].tolist() == [0, 1, 2, 3, spec.max_images]
     x = pk.normalise(fields[0], "cpu")
     got = padded(x, *fields[1:4])
     torch.testing.assert_close(got[:len(GRIDS)], model(*inputs)[:len(GRIDS)],
@@ -205,10 +214,11 @@ def test_packed_sdpa_is_per_segment_sdpa(dist1):
 
 # ------------------------------------------------------------------ plan, build, tasks
 
+# packs, as written (auto chooses between packed and padded slots)
 NATIVE = ["model.spec=torch", "data.resolution=native", "data.packing.max_patches=24",
           "data.packing.tokens_per_microbatch=96", "data.packing.max_images=5",
-          "train.micro_batch_size=1", "train.global_batch_size=2", "model.num_layers=1",
-          "train.precision=fp32"]
+          "data.packing.layout=packed", "train.micro_batch_size=1", "train.global_batch_size=2",
+          "model.num_layers=1", "train.precision=fp32"]
 
 
 def native_config(path, *over):
@@ -226,8 +236,17 @@ def test_plan_carries_the_pack_and_never_pads_it(dist1):
     assert plan.pos_interp == "bicubic"
     model = build_model(plan, cfg.model, dist1, 10, 0)[0]
     assert model.pack == plan.pack and model.padded_len(1) == 96
-    padded = build_model(plan, cfg.model, dist1, 10, 0, packed_attention="padded")[0]
-    assert padded.padded_len(1) == 5 * (3 + 24)  # M slots of max_len
+    assert model.decoder.layers[0].self_attention.attn_mask_type.name == "no_mask"
+    assert (plan.pack_layout.name, plan.pack_layout.reason) == (
+        "packed", "data.packing.layout=packed in the config")
+    # padded: as many slots of max_len as the budget holds, the layers masked
+    cfg = native_config("vit-tiny-shapes.yaml", "model.num_registers=2",
+                        "data.packing.layout=padded")
+    plan = resolve(cfg, dist1.world)
+    assert plan.pack == PackSpec(tokens=3 * 27, max_images=3, max_patches=24, num_prefix=3,
+                                 patch_size=4, padded=True)
+    padded = build_model(plan, cfg.model, dist1, 10, 0)[0]
+    assert padded.packed_attention == "padded" and padded.padded_len(1) == 3 * (3 + 24)
     assert padded.decoder.layers[0].self_attention.attn_mask_type.name == "padding"
     fixed = resolve(native_config("vit-tiny-shapes.yaml", "data.resolution=fixed"), dist1.world)
     assert fixed.pack is None
@@ -323,6 +342,18 @@ def test_contrastive_task_on_a_pack(dist1):
         torch.testing.assert_close(task.forward(model, one)[0][0], image[i], atol=1e-5,
                                    rtol=1e-5)
     assert task.pack_flops(raw) > 3 * task.text_flops
+    # padded slots (data.packing.layout=padded): the same weights, the same features
+    slots = ContrastiveTask(resolve(native_config(
+        "clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32", "task.context_length=32",
+        "task.loss=siglip", "data.caption_dropout=0", "data.packing.layout=padded"),
+        dist1.world), dist1)
+    padded = slots.build_model()[0]
+    assert slots.pack.padded and padded.visual.packed_attention == "padded"
+    m = slots.pack.max_images
+    got = slots.forward(padded, slots.prepare((*raw_pack(slots.pack, grids, [3, -1, 4]),
+                                               tokens[:m]), None, dist1.device, True))
+    torch.testing.assert_close(got[0][:3], image[:3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1][:3], text[:3])
 
 
 @pytest.mark.gpu

@@ -3,10 +3,11 @@ groups, tasks, model, parallelize, optimizer, EMA, the loop) reads instead of th
 
 ``resolve(cfg, world_size)`` checks the layout against the world size, reads the registry,
 chooses the graph path (once: the process groups need it for NCCL's settings, the capture
-stream and the RNG) and resolves packing, recompute, freezing, EMA, distillation and the
-contrastive task's settings. Each component takes its slice: the resolved facts and the
-config sections it reads (``model``, ``data``, ``optim``, ``train``, ``parallel``,
-``checkpoint``), never the whole config.
+stream and the RNG), chooses the pack layout at native resolution (``resolve_pack``: packed
+or padded slots; the data loader and the model take the one PackSpec) and resolves recompute,
+freezing, EMA, distillation and the contrastive task's settings. Each component takes its
+slice: the resolved facts and the config sections it reads (``model``, ``data``, ``optim``,
+``train``, ``parallel``, ``checkpoint``), never the whole config.
 
 It lives above ``config`` and ``models`` because it is made from both (the config's sections,
 the registry's architectures); ``vitgraph.models`` knows the plan only by the fields it reads.
@@ -20,7 +21,7 @@ import torch
 
 from vitgraph.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistillConfig,
                              EMAConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
-                             check_layout, graph_constraints, task_kind)
+                             check_layout, graph_constraints, padded_constraints, task_kind)
 from vitgraph.data.native import pack_spec
 from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath, choose_graphs
@@ -44,6 +45,16 @@ class Contrastive:
 
 
 @dataclass(frozen=True)
+class PackLayout:
+    """How a native-resolution microbatch holds its images, and why (data.packing.layout)."""
+    name: str  # packed | padded
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+@dataclass(frozen=True)
 class Plan:
     task: str  # classification | contrastive
     arch: ViTArch  # the image encoder (an image-text pair's image tower)
@@ -60,8 +71,10 @@ class Plan:
     dp: int  # data-parallel size
     cuda: bool
     p2p: dict  # megatron's p2p settings (p2p_mode)
-    # data.resolution=native: the pack layout of every microbatch (None: fixed resolution)
+    # data.resolution=native: the pack layout of every microbatch (None: fixed resolution),
+    # packed or padded slots (pack.padded), and why that one
     pack: PackSpec | None
+    pack_layout: PackLayout | None
     pos_interp: str  # how a pack's images resample the position grid
     # train.recompute as megatron's TransformerConfig takes it (vitgraph.models.build)
     recompute: Recompute
@@ -146,7 +159,7 @@ def resolve(cfg: Config, world_size: int) -> Plan:
     tokens = cfg.data.packing.tokens_per_microbatch if native else t.micro_batch_size * seq
     fused_norm = use_fused_norm(m.fused_norm, fp8, tokens) and t.recompute != "full"
     pos_interp = resolve_pos_interp(m)
-    pack = pack_spec(cfg.data.packing, arch.patch_size, prefix) if native else None
+    pack, pack_layout = resolve_pack(cfg, arch, prefix, spec) if native else (None, None)
     graphs = choose_graphs(cfg.graphs, cuda, t.precision, t.fp8_recipe, p.tp, **constraints)
     contrastive = None
     if pair is not None:
@@ -162,11 +175,29 @@ def resolve(cfg: Config, world_size: int) -> Plan:
                 sequence_parallel=p.sequence_parallel,
                 sequence_parallel_tp=p.tp if p.sequence_parallel else 1, fused_norm=fused_norm,
                 graphs=graphs, world=world_size, dp=world_size // (p.tp * p.pp), cuda=cuda,
-                p2p=p2p, pack=pack, pos_interp=pos_interp, recompute=recompute, fsdp=p.fsdp,
+                p2p=p2p, pack=pack, pack_layout=pack_layout, pos_interp=pos_interp,
+                recompute=recompute, fsdp=p.fsdp,
                 freeze=freeze, ema=t.ema if t.ema.decay is not None else None,
                 distill=t.distill if t.distill.teacher else None, contrastive=contrastive,
                 model=m, data=cfg.data, optim=cfg.optim, train=t, parallel=p,
                 checkpoint=cfg.checkpoint, run_dir=cfg.run_dir)
+
+
+def resolve_pack(cfg: Config, arch: ViTArch, prefix: int, spec: str
+                 ) -> tuple[PackSpec, PackLayout]:
+    """The PackSpec of a native-resolution run's microbatches (data loader and model) and its
+    layout: data.packing.layout as written (auto: packed)."""
+    k = cfg.data.packing
+    if k.layout == "padded":
+        try:
+            padded = pack_spec(k, arch.patch_size, prefix, padded=True,
+                               **padded_constraints(cfg))
+        except ValueError as e:  # config validation says so first
+            raise ConfigError(f"data.packing.layout=padded: {e}") from None
+        return padded, PackLayout("padded", "data.packing.layout=padded in the config")
+    why = ("data.packing.layout=packed in the config" if k.layout == "packed" else
+           "data.packing.layout=auto: packed")
+    return pack_spec(k, arch.patch_size, prefix), PackLayout("packed", why)
 
 
 def freeze_rules(cfg: Config) -> tuple:

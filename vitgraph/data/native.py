@@ -22,6 +22,7 @@ device (``Prefetcher`` finishes it on its side stream, ``pack_inputs`` when noth
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -683,9 +684,31 @@ def pack_inputs(fields: tuple, device, augment_cfg=None, key=None, seed: int = 0
 
 # ---------------------------------------------------------------- building
 
-def pack_spec(packing_cfg, patch_size: int, num_prefix: int) -> PackSpec:
+def pack_spec(packing_cfg, patch_size: int, num_prefix: int, padded: bool = False,
+              multiple: int = 1, split: int = 1) -> PackSpec:
     """The ``PackSpec`` of data.packing for a model of ``patch_size`` with ``num_prefix`` class
-    and register tokens."""
-    return PackSpec(tokens=packing_cfg.tokens_per_microbatch, max_images=packing_cfg.max_images,
-                    max_patches=packing_cfg.max_patches, num_prefix=num_prefix,
-                    patch_size=patch_size, min_patches=packing_cfg.min_patches)
+    and register tokens. ``padded`` (data.packing.layout=padded): each image in a slot of
+    max_len tokens of its own, as many slots as tokens_per_microbatch holds (max_images at
+    most), rounded down so that their tokens are a multiple of ``multiple`` (16 for FP8
+    GEMMs); ValueError, saying why, where no slot is left or a slot's tokens do not split
+    over ``split`` ranks (sequence parallel's tp)."""
+    k = packing_cfg
+    spec = PackSpec(tokens=k.tokens_per_microbatch, max_images=k.max_images,
+                    max_patches=k.max_patches, num_prefix=num_prefix, patch_size=patch_size,
+                    min_patches=k.min_patches)
+    if not padded:
+        return spec
+    L = spec.max_len
+    if L % split:
+        raise ValueError(f"slots of {L} tokens ({num_prefix} prefix + data.packing.max_patches="
+                         f"{k.max_patches}) do not split over parallel.tp={split} ranks "
+                         "(sequence parallel)")
+    fits = min(k.max_images, k.tokens_per_microbatch // L)
+    step = multiple // math.gcd(multiple, L)
+    slots = fits - fits % step
+    if slots < 1:
+        raise ValueError(f"FP8 GEMMs need a multiple of {multiple} tokens: slots of {L} tokens "
+                         f"come {step} at a time, and data.packing.tokens_per_microbatch="
+                         f"{k.tokens_per_microbatch} (data.packing.max_images={k.max_images}) "
+                         f"holds {fits}")
+    return dataclasses.replace(spec, tokens=slots * L, max_images=slots, padded=True)

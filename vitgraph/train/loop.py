@@ -145,6 +145,8 @@ class Trainer:
         log.info("model: %s, %s", self.task.describe(self.chunks, t.micro_batch_size),
                  plan.precision_name)
         log.info("graphs: %s", plan.graphs)
+        if plan.pack_layout is not None:
+            log.info("packing: %s", plan.pack_layout)
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
