@@ -3,6 +3,7 @@ of different grids equals each image run alone, forward and backward; position r
 empty slots; the padded layout; packed SDPAttention."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -214,16 +215,20 @@ def test_packed_sdpa_is_per_segment_sdpa(dist1):
 
 # ------------------------------------------------------------------ plan, build, tasks
 
-# packs, as written (auto chooses between packed and padded slots)
+# packs, as written: auto would choose padded slots for images this close to max_patches
 NATIVE = ["model.spec=torch", "data.resolution=native", "data.packing.max_patches=24",
           "data.packing.tokens_per_microbatch=96", "data.packing.max_images=5",
           "data.packing.layout=packed", "train.micro_batch_size=1", "train.global_batch_size=2",
           "model.num_layers=1", "train.precision=fp32"]
 
 
-def native_config(path, *over):
+def load_config_of(path, *over):
     from vitgraph.config import load_config
-    return load_config(ROOT / "configs" / path, [*NATIVE, *over])
+    return load_config(ROOT / "configs" / path, list(over))
+
+
+def native_config(path, *over):
+    return load_config_of(path, *NATIVE, *over)
 
 
 def test_plan_carries_the_pack_and_never_pads_it(dist1):
@@ -253,6 +258,73 @@ def test_plan_carries_the_pack_and_never_pads_it(dist1):
     pair = resolve(native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
                                  "task.context_length=32"), dist1.world)
     assert pair.pack.num_prefix == 0 and pair.pos_interp == "bilinear"
+
+
+def test_auto_layout_rule_on_the_measured_cases():
+    """data.packing.layout=auto on the bench's stream (benchmarks/BENCHMARKS.md): images of
+    ~230 tokens (256 patches at most) and ~422 (576) in 16,384-token packs of at most 64
+    images, or 64 slots: padded where it won (SO400M/16 and ViT-B/16 at 256, where max_images
+    holds packs to 90% full), packed where it did (576); with room for more images a pack,
+    the attention path decides."""
+    from vitgraph.data.native import pack_fill
+    from vitgraph.plan import choose_layout, packed_path
+
+    def choose(max_patches, mean, path, max_images=64):
+        packed = PackSpec(16384, max_images, max_patches, 1, 16)
+        padded = PackSpec(64 * (1 + max_patches), 64, max_patches, 1, 16, padded=True)
+        # images of two sizes, ``mean`` tokens on average
+        tokens = np.array([round(mean) - 40, round(mean) + 40] * 256)
+        fill = pack_fill(tokens, packed, 4)
+        spec, why = choose_layout(packed, padded, mean, fill, path, 512)
+        assert spec is (padded if why.name == "padded" else packed)
+        return why
+
+    assert (packed_path("te", 72), packed_path("te", 64), packed_path("te", 128),
+            packed_path("torch", 64)) == ("slots", "thd", "thd", "torch")
+    so400m = choose(256, 230.0, "slots")
+    assert so400m.name == "padded" and so400m.reason == (
+        "data.packing.layout=auto: padded: an image costs 257 tokens in a padded slot, ~281.6 "
+        "in a pack (mean 230.0 tokens over 512 sampled images / fill 0.898 x 1.10 for slots "
+        "attention)")
+    assert choose(256, 230.0, "thd").name == "padded"  # max_images binds: 256 tokens an image
+    assert choose(576, 422.0, "slots").name == "packed"
+    assert choose(576, 422.0, "thd").name == "packed"
+    assert choose(256, 240.0, "thd", max_images=128).name == "packed"
+    assert choose(256, 240.0, "slots", max_images=128).name == "padded"
+
+
+def test_auto_layout_of_a_config_and_an_explicit_one_wins(dist1):
+    """auto resolves from the shapes data's sizes; packed or padded as written wins; padded
+    slots that cannot run are an error as written and packs under auto; a bad value is one
+    error naming the key."""
+    from vitgraph.config import ConfigError
+    from vitgraph.plan import resolve
+
+    def plan(*over, world=dist1.world):
+        return resolve(native_config("vit-tiny-shapes.yaml", *over), world)
+
+    # the shipped demo: its images (mean ~54 tokens) fill a 65-token slot too little
+    demo = resolve(load_config_of("vit-tiny-shapes-native.yaml", "model.spec=torch"),
+                   dist1.world)
+    assert demo.pack_layout.name == "packed" and not demo.pack.padded
+    assert demo.pack_layout.reason.startswith("data.packing.layout=auto: packed: an image costs "
+                                              "65 tokens in a padded slot, ~6")
+    # at 24 patches the images nearly fill a slot (and 5 of them fill half a pack)
+    auto = plan("data.packing.layout=auto")
+    assert auto.pack_layout.name == "padded" and auto.pack.padded
+    assert plan().pack_layout.name == "packed" and not plan().pack.padded  # NATIVE: packed
+    padded = plan("data.packing.layout=padded", "data.packing.max_patches=64",
+                  "data.packing.tokens_per_microbatch=2048")
+    assert padded.pack_layout.reason == "data.packing.layout=padded in the config"
+    assert padded.pack == PackSpec(5 * 65, 5, 64, 1, 4, padded=True)  # max_images binds
+    # sequence parallel splits a slot of 25 tokens over tp=2: not as written, packs under auto
+    sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    with pytest.raises(ConfigError, match=r"data.packing.layout='padded': slots of 25 tokens"):
+        native_config("vit-tiny-shapes.yaml", *sp, "data.packing.layout=padded")
+    split = plan(*sp, "data.packing.layout=auto", world=2)
+    assert split.pack_layout.name == "packed" and "no padded slots" in split.pack_layout.reason
+    with pytest.raises(ConfigError, match="data.packing.layout='diagonal': must be one of"):
+        native_config("vit-tiny-shapes.yaml", "data.packing.layout=diagonal")
 
 
 def raw_pack(spec, grids, labels, seed=1):

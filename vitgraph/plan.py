@@ -22,14 +22,14 @@ import torch
 from vitgraph.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistillConfig,
                              EMAConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
                              check_layout, graph_constraints, padded_constraints, task_kind)
-from vitgraph.data.native import pack_spec
+from vitgraph.data import DataError, native_size_sample, pack_fill, pack_spec, size_tokens
 from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple, use_fused_norm
 from vitgraph.models.clip import IMAGE_TOWER
 from vitgraph.models.registry import (CLIPArch, ViTArch, resolve_arch, resolve_clip_arch,
                                       resolve_pos_interp)
-from vitgraph.models.specs import resolve_spec
+from vitgraph.models.specs import THD_HEAD_DIMS, resolve_spec
 from vitgraph.models.vit import sequence_length
 from vitgraph.text import tokenizer_kind
 
@@ -183,21 +183,79 @@ def resolve(cfg: Config, world_size: int) -> Plan:
                 checkpoint=cfg.checkpoint, run_dir=cfg.run_dir)
 
 
+# data.packing.layout=auto. Per image, padded slots compute max_len tokens; packs compute its
+# mean tokens / the packs' fill (the packer run on the sample) times 1 + the packed path's
+# extra cost per token; padded where it costs no more. One H200, bf16, step graphs,
+# 16,384-token packs of at most 64 images against 64 slots (benchmarks/BENCHMARKS.md, "Native
+# resolution"): at 256 patches the stream's images fill 90% of a slot and max_images held the
+# packs to the slots' 256 tokens an image, where SO400M/16 (head dim 72: slots) ran 140.2k real
+# tokens/s packed against 148.1k padded (+6% a token packed) and ViT-B/16 (head dim 64: thd)
+# 603.0k against 605.8k (+1%); at 576 patches (73% of a slot) packs won, SO400M 138.1k against
+# 128.1k and ViT-B 621.0k against 531.5k (+24% and +17% a token, far from even). The torch
+# spec on 2 shared CPU cores, the tiny native demo (54 tokens an image, 65 a slot): level
+# within the noise, packed / padded time per image 0.96-1.03 over four runs, +15-23% a token.
+# The constants put each of these on the side it was measured on (the demo: packs, by ~2%).
+PACKED_OVERHEAD = {
+    "thd": 0.02,  # TE's ragged (thd) attention, at the head dims THD_HEAD_DIMS
+    "slots": 0.10,  # TE at other head dims: a pack's rows gathered into slots and back
+    "torch": 0.17,  # the torch spec's SDPAttention: slots too
+}
+
+
+def packed_path(spec: str, head_dim: int) -> str:
+    """Which attention a pack runs on (PACKED_OVERHEAD's keys): TE's thd at the head dims it
+    runs fast, TE over slots at other head dims, the torch spec's slots."""
+    if spec != "te":
+        return "torch"
+    return "thd" if head_dim in THD_HEAD_DIMS else "slots"
+
+
+def choose_layout(packed: PackSpec, padded: PackSpec, mean_tokens: float, fill: float,
+                  path: str, sampled: int = 0) -> tuple[PackSpec, PackLayout]:
+    """data.packing.layout=auto's rule: padded slots where they cost no more tokens per image
+    than packs (see PACKED_OVERHEAD), given an image's ``mean_tokens`` (prefix included) over
+    ``sampled`` images, the share of a pack they ``fill`` and the packed ``path``
+    (``packed_path``)."""
+    overhead = PACKED_OVERHEAD[path]
+    cost = mean_tokens / fill * (1 + overhead)
+    slot = padded.max_len
+    name = "padded" if slot <= cost else "packed"
+    why = (f"data.packing.layout=auto: {name}: an image costs {slot} tokens in a padded slot, "
+           f"~{cost:.1f} in a pack (mean {mean_tokens:.1f} tokens"
+           + (f" over {sampled} sampled images" if sampled else "")
+           + f" / fill {fill:.3f} x {1 + overhead:.2f} for {path} attention)")
+    return (padded if name == "padded" else packed), PackLayout(name, why)
+
+
 def resolve_pack(cfg: Config, arch: ViTArch, prefix: int, spec: str
                  ) -> tuple[PackSpec, PackLayout]:
     """The PackSpec of a native-resolution run's microbatches (data loader and model) and its
-    layout: data.packing.layout as written (auto: packed)."""
+    layout: data.packing.layout as written, or auto's choice (``choose_layout``) from a sample
+    of the training set's image sizes (vitgraph.data.native_size_sample); packed where padded
+    slots cannot run or the sizes cannot be had cheaply."""
     k = cfg.data.packing
-    if k.layout == "padded":
-        try:
-            padded = pack_spec(k, arch.patch_size, prefix, padded=True,
-                               **padded_constraints(cfg))
-        except ValueError as e:  # config validation says so first
+    packed = pack_spec(k, arch.patch_size, prefix)
+    if k.layout == "packed":
+        return packed, PackLayout("packed", "data.packing.layout=packed in the config")
+    try:
+        padded = pack_spec(k, arch.patch_size, prefix, padded=True, **padded_constraints(cfg))
+    except ValueError as e:
+        if k.layout == "padded":  # config validation says so first
             raise ConfigError(f"data.packing.layout=padded: {e}") from None
+        return packed, PackLayout("packed", f"data.packing.layout=auto: packed: no padded slots "
+                                            f"({e})")
+    if k.layout == "padded":
         return padded, PackLayout("padded", "data.packing.layout=padded in the config")
-    why = ("data.packing.layout=packed in the config" if k.layout == "packed" else
-           "data.packing.layout=auto: packed")
-    return pack_spec(k, arch.patch_size, prefix), PackLayout("packed", why)
+    try:
+        sizes = native_size_sample(cfg.data, cfg.train.seed)
+    except DataError as e:
+        return packed, PackLayout("packed", f"data.packing.layout=auto: packed: the images' "
+                                            f"sizes are not to be had cheaply ({e})")
+    tokens = size_tokens(sizes, packed)
+    # with micro-batches of one pack, the global batch counts a step's packs
+    fill = pack_fill(tokens, packed, cfg.train.global_batch_size, k.window)
+    path = packed_path(spec, arch.hidden_size // arch.num_heads)
+    return choose_layout(packed, padded, float(tokens.mean()), fill, path, len(sizes))
 
 
 def freeze_rules(cfg: Config) -> tuple:
