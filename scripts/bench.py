@@ -60,8 +60,8 @@ ratio 0.5-2, shorter side 128-512, each at its NaFlex grid for ``--max-patches``
                          --pack-tokens tokens (--packs-per-step a step), thd attention, eager /
                          layer graphs / the step as one graph
   vitgraph+padded[+step-graphs]  each image in a slot of max_patches tokens of its own (a
-                         key-padding mask), --timm-batch slots a step: what a fixed-shape graph
-                         needs without packing
+                         key-padding mask; data.packing.layout=padded), --timm-batch slots a
+                         step: what a fixed-shape graph needs without packing
   timm-naflex[+compile]  timm's NaFlexVit (vitgraph's geometry, or --timm-arch) as timm's NaFlex
                          loader feeds it: --timm-batch images padded to max_patches with
                          patch_valid masks, autocast bf16, fused AdamW
@@ -546,12 +546,11 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
                           overrides: list[str] = (), seed: int = 0) -> dict:
     """vitgraph's Trainer step on the stream at native resolution: packs of ``pack_tokens``
     (``packs_per_step`` a step, thd attention), or each image padded to ``max_patches`` in a
-    slot of its own (``padded_images`` slots, one microbatch a step; a key-padding mask),
-    as ``system`` (NATIVE_SYSTEMS) says. Its microbatches, made from the stream beforehand,
-    are on the device as the loader's prefetcher hands them over."""
+    slot of its own (``padded_images`` slots, one microbatch a step; a key-padding mask:
+    data.packing.layout=padded), as ``system`` (NATIVE_SYSTEMS) says. Its microbatches, made
+    from the stream beforehand, are on the device as the loader's prefetcher hands them over."""
     from vitgraph.config import load_config
     from vitgraph.data.packing import PackSpec, assemble
-    from vitgraph.models import packed as pk
     from vitgraph.train.loop import Trainer
     attention, impl, scope = NATIVE_SYSTEMS[system]
     padded = attention == "padded"
@@ -559,6 +558,7 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     over = [f"model.name={model}", "model.spec=te", "data.kind=shapes", "data.num_train=64",
             "data.num_val=64", "data.render_size=32", f"model.num_classes={num_classes}",
             "data.resolution=native", f"data.packing.max_patches={max_patches}",
+            f"data.packing.layout={'padded' if padded else 'packed'}",
             "train.micro_batch_size=1", "train.steps=100000", "train.precision=bf16",
             "train.tensorboard=false", "train.progress=false", "optim.clip_grad=1.0",
             "data.augment.enabled=false", "train.label_smoothing=0",
@@ -576,22 +576,15 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     slots = padded_images if padded else max_images
     tokens = padded_images * (prefix + max_patches) if padded else pack_tokens
     spec = PackSpec(tokens=tokens, max_images=slots, max_patches=max_patches, num_prefix=prefix,
-                    patch_size=patch)
+                    patch_size=patch, padded=padded)
     dp = _world() // (probe.parallel.tp * probe.parallel.pp)
     over += [f"data.packing.tokens_per_microbatch={tokens}", f"data.packing.max_images={slots}",
              f"train.global_batch_size={k * dp}"]
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
-    build = None
-    if padded:  # the model helper's padded slots (build_model's packed_attention)
-        import functools
-        import vitgraph.tasks.classification as cls_task
-        build = cls_task.build_model
-        cls_task.build_model = functools.partial(build, packed_attention="padded")
-    try:
-        trainer = Trainer(cfg)
-    finally:
-        if build is not None:
-            cls_task.build_model = build
+    trainer = Trainer(cfg)
+    if trainer.plan.pack != spec:  # the microbatches below are made for this spec
+        trainer.close(shutdown_dist=False)
+        raise RuntimeError(f"the run's packs {trainer.plan.pack} are not the bench's {spec}")
     rank = trainer.d.dp_rank
     pixels = _Pixels(spec.patch_dim, seed)
     labels = torch.randint(0, num_classes, (len(grids),), generator=torch.Generator().manual_seed(seed))
@@ -600,14 +593,13 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
                 for b in batched_steps(grids, padded_images * dp)]
     else:
         plan = [s[rank * k:(rank + 1) * k] for s in packed_steps(grids, spec, k * dp)]
-    make = pk.padded_layout if padded else assemble
     batches, counts = [], []
     for step in plan:
         mbs = []
         for idx in step:
             g = [grids[i] for i in idx]
-            fields = make([pixels.rows(i, grids[i]) for i in idx], g,
-                          [int(labels[i]) for i in idx], spec)
+            fields = assemble([pixels.rows(i, grids[i]) for i in idx], g,
+                              [int(labels[i]) for i in idx], spec)
             mbs.append(tuple(t.to(trainer.d.device) for t in fields))
         batches.append(mbs)
         n_img = sum(len(idx) for idx in step)

@@ -11,13 +11,15 @@ import pytest
 import torch
 from PIL import Image
 
-from vitgraph.data import DataError, build_datasets, iterate_eval_packs, pack_inputs
+from vitgraph.data import (DataError, build_datasets, iterate_eval_packs, native_size_sample,
+                           pack_inputs)
 from vitgraph.data import shapes
 from vitgraph.data.augment import AugmentConfig, _colour
 from vitgraph.data.decode import (EncodedPack, crop_box, finish_pack_on_device, header_size,
                                   read_size)
 from vitgraph.data.native import (OPS, ArrayImages, NativeDataset, PackedLoader, augment_pack,
-                                  crop_boxes, eval_packs, pack_colour, pack_fields, pack_spec)
+                                  crop_boxes, eval_packs, pack_colour, pack_fields, pack_fill,
+                                  pack_spec, size_tokens)
 from vitgraph.data.packing import PackSpec, native_grid, patchify
 
 P = 4  # patch size of the toy specs
@@ -108,6 +110,45 @@ def test_packs_keep_their_budget_shapes_and_layout():
                 gh, gw = grids[i]
                 assert (coords[a, 2:] == torch.tensor([gh, gw])).all() and coords[a, 0] == -1
                 assert torch.equal(patches[a + 1:b], ds.images.rows(i, (gh, gw), P))
+
+
+def test_padded_slots_hold_what_packs_of_as_many_images_would():
+    """data.packing.layout=padded: the loader fills each pack's slots with the images a pack
+    of as many images (and room for them) takes; image i at the start of slot i."""
+    ds = toy(200, hi=60)
+    slots = pack_spec(types.SimpleNamespace(tokens_per_microbatch=200, max_images=8,
+                                            max_patches=40, min_patches=1), P, 1, padded=True)
+    assert (slots.max_images, slots.tokens, slots.num_segments) == (4, 4 * 41, 4)
+    room = spec(tokens=4 * 41, max_images=4, max_patches=40)
+    a, b = (PackedLoader(ds, s, 2, 0, 1, seed=0) for s in (slots, room))
+    for _ in range(3):
+        assert a.next_packs() == b.next_packs()
+    grids = ds.grids(slots)
+    for fields in a.next_step():
+        patches, coords, seg, cu, labels = fields
+        assert cu.tolist() == [0, 41, 82, 123, 164] and ids(fields)
+        for k, i in enumerate(ids(fields)):
+            n = 1 + int(grids[i, 0] * grids[i, 1])
+            assert (seg[41 * k:41 * k + n] == k).all() and (seg[41 * k + n:41 * (k + 1)] == 4).all()
+            assert torch.equal(patches[41 * k + 1:41 * k + n], ds.images.rows(i, tuple(grids[i]), P))
+    # the model runs M * max_len tokens as slots of max_len: the budget must be exactly that
+    with pytest.raises(ValueError, match="padded slots"):
+        dataclasses.replace(slots, tokens=200)
+
+
+def test_pack_fill_is_the_loaders():
+    """data.packing.layout=auto's fill: the packer on a sample of the images' tokens fills
+    packs as the loader does; max_images bounds it."""
+    ds, s = toy(400, hi=60), spec(tokens=200, max_images=8, max_patches=40)
+    ld = PackedLoader(ds, s, 2, 0, 1, seed=0)
+    used = 0
+    for _ in range(40):
+        ld.next_packs()
+        used += ld.last_counts["tokens"]
+    got = pack_fill(ds.image_tokens(s), s, 2)
+    assert got == pytest.approx(used / (40 * 2 * 200), abs=0.015) and got > 0.93
+    few = dataclasses.replace(s, max_images=3)
+    assert pack_fill(ds.image_tokens(s), few, 2) <= 3 * 41 / 200
 
 
 def test_determinism_and_seeds():
@@ -252,6 +293,11 @@ def test_shapes_native_sizes_vary_and_are_deterministic():
     assert np.bincount(train.labels.numpy()).tolist() == [30] * 10
     other, _ = build_datasets(shapes_cfg(seed=1), seed=0, native=True)
     assert not (other.sizes[:50] == train.sizes[:50]).all()
+    # data.packing.layout=auto's sample: the same sizes, drawn without a pixel
+    assert (native_size_sample(shapes_cfg(), 0, n=300) == train.sizes).all()
+    assert (native_size_sample(shapes_cfg(), 0, n=3) == train.sizes[[0, 150, 299]]).all()
+    s = spec(max_patches=16)
+    assert (size_tokens(train.sizes, s) == train.image_tokens(s)).all()
 
 
 def test_shapes_native_does_not_depend_on_workers():
@@ -326,6 +372,9 @@ def test_header_sizes_match_pil(tmp_path):
 
 def test_imagefolder_native_pixels_are_a_resize_and_patchify(folder):
     train, val = build_datasets(folder_cfg(folder), seed=0, native=True)
+    # data.packing.layout=auto's sample: the headers of files spread over the folder
+    assert (native_size_sample(folder_cfg(folder), 0) == train.sizes).all()
+    assert (native_size_sample(folder_cfg(folder), 0, n=2) == train.sizes[[0, 5]]).all()
     assert train.classes == ["a", "b"] and train.labels.tolist() == [0, 0, 0, 1, 1, 1]
     paths = train.images.paths
     for p, (h, w) in zip(paths, train.sizes.tolist()):
@@ -418,6 +467,14 @@ def test_webdataset_native_sizes_and_pixels_match_the_folder(folder, tmp_path):
     assert (again.sizes == train.sizes).all()
     ld = PackedLoader(train, s, 2, 0, 1, seed=0)
     assert sorted(i for f in ld.next_step() for i in ids(f)) != []
+    # data.packing.layout=auto's sample: index.json's offsets (headers read there), else the
+    # sizes cache, else none (it would take every tar header)
+    got = native_size_sample(cfg, 0)
+    assert (got == train.sizes).all()
+    (out / "index.json").unlink()
+    assert (native_size_sample(cfg, 0) == got).all()
+    with pytest.raises(DataError, match="no index.json and no cached sizes"):
+        native_size_sample(folder_cfg(out, kind="webdataset", cache_dir=None), 0)
 
 
 # ---------------------------------------------------------------- on the device
@@ -526,7 +583,18 @@ def test_pack_spec_from_the_packing_keys():
                                  min_patches=2)
     s = pack_spec(keys, patch_size=16, num_prefix=2)
     assert (s.tokens, s.max_images, s.max_patches, s.min_patches) == (4096, 64, 256, 2)
-    assert (s.patch_size, s.num_prefix, s.max_len) == (16, 2, 258)
+    assert (s.patch_size, s.num_prefix, s.max_len) == (16, 2, 258) and not s.padded
+    # padded: the slots of max_len the budget holds (max_images at most), for FP8 rounded
+    # down to a multiple of 16 tokens
+    s = pack_spec(keys, 16, 2, padded=True)
+    assert (s.tokens, s.max_images, s.padded) == (15 * 258, 15, True)
+    assert pack_spec(keys, 16, 2, padded=True, multiple=16).max_images == 8
+    few = types.SimpleNamespace(**{**vars(keys), "max_images": 4})
+    assert pack_spec(few, 16, 2, padded=True).max_images == 4
+    with pytest.raises(ValueError, match="FP8"):
+        pack_spec(few, 16, 2, padded=True, multiple=16)
+    with pytest.raises(ValueError, match="parallel.tp=4"):
+        pack_spec(keys, 16, 2, padded=True, split=4)
 
 
 def test_augment_pack_leaves_prefix_and_padding_alone():

@@ -3,6 +3,7 @@ of different grids equals each image run alone, forward and backward; position r
 empty slots; the padded layout; packed SDPAttention."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,20 +42,25 @@ def tower_config(d):
                   activation="gelu", eps=1e-6)
 
 
-def spec_for(class_token, registers, max_images=5, tokens=96, max_patches=24):
+def spec_for(class_token, registers, max_images=5, tokens=96, max_patches=24, padded=False):
+    prefix = int(class_token) + registers
+    if padded:  # each image in a slot of its own
+        tokens = max_images * (prefix + max_patches)
     return PackSpec(tokens=tokens, max_images=max_images, max_patches=max_patches,
-                    num_prefix=int(class_token) + registers, patch_size=ARCH.patch_size)
+                    num_prefix=prefix, patch_size=ARCH.patch_size, padded=padded)
 
 
 def make_vit(d, pool, attention="thd", seed=0, **kw):
     from vitgraph.models.specs import get_layer_spec
     from vitgraph.models.vit import ViT
     cls, regs, head, interp, pooling = POOLS[pool]
-    spec = spec_for(cls, regs, **kw)
+    padded = attention == "padded"
+    spec = spec_for(cls, regs, padded=padded, **kw)
     torch.manual_seed(seed)
-    model = ViT(tower_config(d), get_layer_spec("torch", padding_mask=attention == "padded"),
+    model = ViT(tower_config(d), get_layer_spec("torch", padding_mask=padded),
                 ARCH, 7, num_registers=regs, class_token=cls, pool=pooling, head=head, pack=spec,
-                packed_attention=attention, pos_interp=interp)
+                pos_interp=interp)
+    assert model.packed_attention == attention
     with torch.no_grad():  # away from the init's zeros (head) and ones (norms)
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -173,11 +179,15 @@ def test_empty_slots_and_an_empty_pack_are_finite(dist1, pool):
 @pytest.mark.parametrize("pool", ["cls", "map"])
 def test_padded_layout_equals_the_pack(dist1, pool):
     model, spec = make_vit(dist1, pool)
-    padded, _ = make_vit(dist1, pool, attention="padded")
+    padded, slots = make_vit(dist1, pool, attention="padded")
     padded.load_state_dict(model.state_dict())
     rows, inputs, _ = pack_of(GRIDS, spec)
-    fields = pk.padded_layout(rows, GRIDS, list(range(len(GRIDS))), spec)
+    fields = assemble(rows, GRIDS, list(range(len(GRIDS))), slots)
     assert fields[0].shape[0] == spec.max_images * spec.max_len == padded.padded_len(1)
+    # image i at the start of slot i, the slots' bounds (an empty one's too) as cu_seqlens
+    L = spec.max_len
+    assert fields[3].tolist() == [i * L for i in range(spec.max_images + 1)]
+    assert fields[2][::L].tolist() == [0, 1, 2, 3, spec.max_images]
     x = pk.normalise(fields[0], "cpu")
     got = padded(x, *fields[1:4])
     torch.testing.assert_close(got[:len(GRIDS)], model(*inputs)[:len(GRIDS)],
@@ -205,15 +215,20 @@ def test_packed_sdpa_is_per_segment_sdpa(dist1):
 
 # ------------------------------------------------------------------ plan, build, tasks
 
+# packs, as written: auto would choose padded slots for images this close to max_patches
 NATIVE = ["model.spec=torch", "data.resolution=native", "data.packing.max_patches=24",
           "data.packing.tokens_per_microbatch=96", "data.packing.max_images=5",
-          "train.micro_batch_size=1", "train.global_batch_size=2", "model.num_layers=1",
-          "train.precision=fp32"]
+          "data.packing.layout=packed", "train.micro_batch_size=1", "train.global_batch_size=2",
+          "model.num_layers=1", "train.precision=fp32"]
+
+
+def load_config_of(path, *over):
+    from vitgraph.config import load_config
+    return load_config(ROOT / "configs" / path, list(over))
 
 
 def native_config(path, *over):
-    from vitgraph.config import load_config
-    return load_config(ROOT / "configs" / path, [*NATIVE, *over])
+    return load_config_of(path, *NATIVE, *over)
 
 
 def test_plan_carries_the_pack_and_never_pads_it(dist1):
@@ -226,14 +241,90 @@ def test_plan_carries_the_pack_and_never_pads_it(dist1):
     assert plan.pos_interp == "bicubic"
     model = build_model(plan, cfg.model, dist1, 10, 0)[0]
     assert model.pack == plan.pack and model.padded_len(1) == 96
-    padded = build_model(plan, cfg.model, dist1, 10, 0, packed_attention="padded")[0]
-    assert padded.padded_len(1) == 5 * (3 + 24)  # M slots of max_len
+    assert model.decoder.layers[0].self_attention.attn_mask_type.name == "no_mask"
+    assert (plan.pack_layout.name, plan.pack_layout.reason) == (
+        "packed", "data.packing.layout=packed in the config")
+    # padded: as many slots of max_len as the budget holds, the layers masked
+    cfg = native_config("vit-tiny-shapes.yaml", "model.num_registers=2",
+                        "data.packing.layout=padded")
+    plan = resolve(cfg, dist1.world)
+    assert plan.pack == PackSpec(tokens=3 * 27, max_images=3, max_patches=24, num_prefix=3,
+                                 patch_size=4, padded=True)
+    padded = build_model(plan, cfg.model, dist1, 10, 0)[0]
+    assert padded.packed_attention == "padded" and padded.padded_len(1) == 3 * (3 + 24)
     assert padded.decoder.layers[0].self_attention.attn_mask_type.name == "padding"
     fixed = resolve(native_config("vit-tiny-shapes.yaml", "data.resolution=fixed"), dist1.world)
     assert fixed.pack is None
     pair = resolve(native_config("clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32",
                                  "task.context_length=32"), dist1.world)
     assert pair.pack.num_prefix == 0 and pair.pos_interp == "bilinear"
+
+
+def test_auto_layout_rule_on_the_measured_cases():
+    """data.packing.layout=auto on the bench's stream (benchmarks/BENCHMARKS.md): images of
+    ~230 tokens (256 patches at most) and ~422 (576) in 16,384-token packs of at most 64
+    images, or 64 slots: padded where it won (SO400M/16 and ViT-B/16 at 256, where max_images
+    holds packs to 90% full), packed where it did (576); with room for more images a pack,
+    the attention path decides."""
+    from vitgraph.data.native import pack_fill
+    from vitgraph.plan import choose_layout, packed_path
+
+    def choose(max_patches, mean, path, max_images=64):
+        packed = PackSpec(16384, max_images, max_patches, 1, 16)
+        padded = PackSpec(64 * (1 + max_patches), 64, max_patches, 1, 16, padded=True)
+        # images of two sizes, ``mean`` tokens on average
+        tokens = np.array([round(mean) - 40, round(mean) + 40] * 256)
+        fill = pack_fill(tokens, packed, 4)
+        spec, why = choose_layout(packed, padded, mean, fill, path, 512)
+        assert spec is (padded if why.name == "padded" else packed)
+        return why
+
+    assert (packed_path("te", 72), packed_path("te", 64), packed_path("te", 128),
+            packed_path("torch", 64)) == ("slots", "thd", "thd", "torch")
+    so400m = choose(256, 230.0, "slots")
+    assert so400m.name == "padded" and so400m.reason == (
+        "data.packing.layout=auto: padded: an image costs 257 tokens in a padded slot, ~281.6 "
+        "in a pack (mean 230.0 tokens over 512 sampled images / fill 0.898 x 1.10 for slots "
+        "attention)")
+    assert choose(256, 230.0, "thd").name == "padded"  # max_images binds: 256 tokens an image
+    assert choose(576, 422.0, "slots").name == "packed"
+    assert choose(576, 422.0, "thd").name == "packed"
+    assert choose(256, 240.0, "thd", max_images=128).name == "packed"
+    assert choose(256, 240.0, "slots", max_images=128).name == "padded"
+
+
+def test_auto_layout_of_a_config_and_an_explicit_one_wins(dist1):
+    """auto resolves from the shapes data's sizes; packed or padded as written wins; padded
+    slots that cannot run are an error as written and packs under auto; a bad value is one
+    error naming the key."""
+    from vitgraph.config import ConfigError
+    from vitgraph.plan import resolve
+
+    def plan(*over, world=dist1.world):
+        return resolve(native_config("vit-tiny-shapes.yaml", *over), world)
+
+    # the shipped demo: its images (mean ~54 tokens) fill a 65-token slot too little
+    demo = resolve(load_config_of("vit-tiny-shapes-native.yaml", "model.spec=torch"),
+                   dist1.world)
+    assert demo.pack_layout.name == "packed" and not demo.pack.padded
+    assert demo.pack_layout.reason.startswith("data.packing.layout=auto: packed: an image costs "
+                                              "65 tokens in a padded slot, ~6")
+    # at 24 patches the images nearly fill a slot (and 5 of them fill half a pack)
+    auto = plan("data.packing.layout=auto")
+    assert auto.pack_layout.name == "padded" and auto.pack.padded
+    assert plan().pack_layout.name == "packed" and not plan().pack.padded  # NATIVE: packed
+    padded = plan("data.packing.layout=padded", "data.packing.max_patches=64",
+                  "data.packing.tokens_per_microbatch=2048")
+    assert padded.pack_layout.reason == "data.packing.layout=padded in the config"
+    assert padded.pack == PackSpec(5 * 65, 5, 64, 1, 4, padded=True)  # max_images binds
+    # sequence parallel splits a slot of 25 tokens over tp=2: not as written, packs under auto
+    sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    with pytest.raises(ConfigError, match=r"data.packing.layout='padded': slots of 25 tokens"):
+        native_config("vit-tiny-shapes.yaml", *sp, "data.packing.layout=padded")
+    split = plan(*sp, "data.packing.layout=auto", world=2)
+    assert split.pack_layout.name == "packed" and "no padded slots" in split.pack_layout.reason
+    with pytest.raises(ConfigError, match="data.packing.layout='diagonal': must be one of"):
+        native_config("vit-tiny-shapes.yaml", "data.packing.layout=diagonal")
 
 
 def raw_pack(spec, grids, labels, seed=1):
@@ -323,6 +414,18 @@ def test_contrastive_task_on_a_pack(dist1):
         torch.testing.assert_close(task.forward(model, one)[0][0], image[i], atol=1e-5,
                                    rtol=1e-5)
     assert task.pack_flops(raw) > 3 * task.text_flops
+    # padded slots (data.packing.layout=padded): the same weights, the same features
+    slots = ContrastiveTask(resolve(native_config(
+        "clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32", "task.context_length=32",
+        "task.loss=siglip", "data.caption_dropout=0", "data.packing.layout=padded"),
+        dist1.world), dist1)
+    padded = slots.build_model()[0]
+    assert slots.pack.padded and padded.visual.packed_attention == "padded"
+    m = slots.pack.max_images
+    got = slots.forward(padded, slots.prepare((*raw_pack(slots.pack, grids, [3, -1, 4]),
+                                               tokens[:m]), None, dist1.device, True))
+    torch.testing.assert_close(got[0][:3], image[:3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1][:3], text[:3])
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """Native resolution end to end on CPU: packed training through the Trainer at every layout
-(torchrun, gloo, fp32) on one process's loss curve, an exact resume, the eval in packs, and the
-torch spec's segment attention against a block-diagonal mask."""
+(torchrun, gloo, fp32) on one process's loss curve, an exact resume, the eval in packs, padded
+slots (data.packing.layout=padded), and the torch spec's segment attention against a
+block-diagonal mask."""
 import json
 
 import pytest
@@ -12,7 +13,8 @@ from conftest import ROOT, loss_records, tiny_overrides
 NATIVE = str(ROOT / "configs" / "vit-tiny-shapes-native.yaml")
 # 2 packs a step (one per rank at dp=2) of 512 tokens, images of at most 48 patches
 PACKS = ["train.global_batch_size=2", "data.packing.tokens_per_microbatch=512",
-         "data.packing.max_patches=48", "data.packing.max_images=16"]
+         "data.packing.max_patches=48", "data.packing.max_images=16",
+         "data.packing.layout=packed"]
 STEPS = 6
 
 
@@ -42,7 +44,9 @@ def launch_jobs(root) -> dict[int, list]:
     return {1: [("one", {"args": run_args(root / "one", "checkpoint.every=3",
                                           "checkpoint.keep=5")}),
                 ("resumed", {"args": run_args(root / "resumed"),
-                             "resume": {"from": str(root / "one"), "step": 3}})],
+                             "resume": {"from": str(root / "one"), "step": 3}}),
+                ("padded", {"args": run_args(root / "padded", "data.packing.layout=padded",
+                                             "train.steps=3")})],
             2: [(name, {"args": run_args(root / name, *extra)}) for name, extra in LAYOUTS.items()]}
 
 
@@ -78,6 +82,18 @@ def test_a_native_run_trains_in_packs_and_reports_them(runs):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_native_layouts_match_one_process(runs, reference, name):
     same_curve(losses(*runs[name]), reference)
+
+
+def test_a_padded_native_run_trains_in_slots(runs):
+    """data.packing.layout=padded: each image in a slot of 49 tokens, 10 a microbatch; the
+    run trains and evaluates every held-out image, and says which layout and why."""
+    run_dir = runs["padded"][0]
+    train = loss_records(run_dir)
+    assert len(train) == 3 and all(r["loss"] == r["loss"] for r in train)
+    assert json.loads((run_dir / "metrics.json").read_text())["eval_images"] == 64
+    log = (run_dir / "train.log").read_text()
+    assert "packs of 490 tokens (padded: at most 10 images" in log
+    assert "packing: padded (data.packing.layout=padded in the config)" in log
 
 
 def test_a_resumed_native_run_packs_as_before(runs, reference):

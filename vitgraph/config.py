@@ -23,6 +23,7 @@ import yaml
 from vitgraph.config_keys import (ConfigError, check_section, coerce_field, key, resume_ok,
                                   where)
 from vitgraph.data.augment import AugmentConfig
+from vitgraph.data.native import pack_spec
 from vitgraph.graphs.config import GraphsConfig
 from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch
 from vitgraph.models.specs import te_available
@@ -130,6 +131,14 @@ class PackingConfig:
     # images the packer looks ahead over when filling a step's packs (0: all of a step's
     # packs' worth, max_images each); more fills packs better, fewer keeps the order closer
     window: int = key(0, min=0)
+    # how a microbatch holds its images. packed: back to back in tokens_per_microbatch, the
+    # attention kept within each image; padded: each image in a slot of its own of max_len =
+    # class / register tokens + max_patches tokens, min(max_images, tokens_per_microbatch //
+    # max_len) slots a microbatch, padding masked out of attention; auto: the one that costs
+    # fewer tokens per image, estimated from a sample of the data's image sizes and the
+    # model's attention path (vitgraph/plan.py; the choice and why are in the log). Padded
+    # wins where the images nearly fill a slot: SO400M/16 at 256 patches, 1.06x packed
+    layout: str = key("auto", choices=("auto", "packed", "padded"))
 
 
 @dataclass
@@ -746,6 +755,19 @@ def _validate_native(cfg: Config, arch, err) -> None:
         err("data.augment.mixup_alpha", cfg.data.augment.mixup_alpha,
             "mixup / cutmix blend images of one size; at native resolution each image has its "
             "own: set data.augment.mixup_alpha=0 cutmix_alpha=0")
+    if k.layout == "padded" and k.tokens_per_microbatch >= prefix + k.max_patches:
+        try:
+            pack_spec(k, arch.patch_size, prefix, padded=True, **padded_constraints(cfg))
+        except ValueError as e:
+            err("data.packing.layout", k.layout, str(e))
+
+
+def padded_constraints(cfg: Config) -> dict:
+    """What of the config limits padded slots (vitgraph.data.native.pack_spec): the multiple
+    FP8 GEMMs need their tokens to be, the ranks sequence parallel splits a slot over."""
+    p = cfg.parallel
+    return dict(multiple=16 if cfg.train.precision == "fp8" else 1,
+                split=p.tp if p.sequence_parallel else 1)
 
 
 def random_layer_keys(cfg: Config) -> dict:

@@ -3,10 +3,11 @@ groups, tasks, model, parallelize, optimizer, EMA, the loop) reads instead of th
 
 ``resolve(cfg, world_size)`` checks the layout against the world size, reads the registry,
 chooses the graph path (once: the process groups need it for NCCL's settings, the capture
-stream and the RNG) and resolves packing, recompute, freezing, EMA, distillation and the
-contrastive task's settings. Each component takes its slice: the resolved facts and the
-config sections it reads (``model``, ``data``, ``optim``, ``train``, ``parallel``,
-``checkpoint``), never the whole config.
+stream and the RNG), chooses the pack layout at native resolution (``resolve_pack``: packed
+or padded slots; the data loader and the model take the one PackSpec) and resolves recompute,
+freezing, EMA, distillation and the contrastive task's settings. Each component takes its
+slice: the resolved facts and the config sections it reads (``model``, ``data``, ``optim``,
+``train``, ``parallel``, ``checkpoint``), never the whole config.
 
 It lives above ``config`` and ``models`` because it is made from both (the config's sections,
 the registry's architectures); ``vitgraph.models`` knows the plan only by the fields it reads.
@@ -20,15 +21,15 @@ import torch
 
 from vitgraph.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistillConfig,
                              EMAConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
-                             check_layout, graph_constraints, task_kind)
-from vitgraph.data.native import pack_spec
+                             check_layout, graph_constraints, padded_constraints, task_kind)
+from vitgraph.data import DataError, native_size_sample, pack_fill, pack_spec, size_tokens
 from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple, use_fused_norm
 from vitgraph.models.clip import IMAGE_TOWER
 from vitgraph.models.registry import (CLIPArch, ViTArch, resolve_arch, resolve_clip_arch,
                                       resolve_pos_interp)
-from vitgraph.models.specs import resolve_spec
+from vitgraph.models.specs import THD_HEAD_DIMS, resolve_spec
 from vitgraph.models.vit import sequence_length
 from vitgraph.text import tokenizer_kind
 
@@ -41,6 +42,16 @@ class Contrastive:
     tokenizer: str  # byte | bpe
     templates: tuple | None  # zero-shot prompts (None: vitgraph.tasks.contrastive_metrics')
     lock_image: bool
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """How a native-resolution microbatch holds its images, and why (data.packing.layout)."""
+    name: str  # packed | padded
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})"
 
 
 @dataclass(frozen=True)
@@ -60,8 +71,10 @@ class Plan:
     dp: int  # data-parallel size
     cuda: bool
     p2p: dict  # megatron's p2p settings (p2p_mode)
-    # data.resolution=native: the pack layout of every microbatch (None: fixed resolution)
+    # data.resolution=native: the pack layout of every microbatch (None: fixed resolution),
+    # packed or padded slots (pack.padded), and why that one
     pack: PackSpec | None
+    pack_layout: PackLayout | None
     pos_interp: str  # how a pack's images resample the position grid
     # train.recompute as megatron's TransformerConfig takes it (vitgraph.models.build)
     recompute: Recompute
@@ -146,7 +159,7 @@ def resolve(cfg: Config, world_size: int) -> Plan:
     tokens = cfg.data.packing.tokens_per_microbatch if native else t.micro_batch_size * seq
     fused_norm = use_fused_norm(m.fused_norm, fp8, tokens) and t.recompute != "full"
     pos_interp = resolve_pos_interp(m)
-    pack = pack_spec(cfg.data.packing, arch.patch_size, prefix) if native else None
+    pack, pack_layout = resolve_pack(cfg, arch, prefix, spec) if native else (None, None)
     graphs = choose_graphs(cfg.graphs, cuda, t.precision, t.fp8_recipe, p.tp, **constraints)
     contrastive = None
     if pair is not None:
@@ -162,11 +175,87 @@ def resolve(cfg: Config, world_size: int) -> Plan:
                 sequence_parallel=p.sequence_parallel,
                 sequence_parallel_tp=p.tp if p.sequence_parallel else 1, fused_norm=fused_norm,
                 graphs=graphs, world=world_size, dp=world_size // (p.tp * p.pp), cuda=cuda,
-                p2p=p2p, pack=pack, pos_interp=pos_interp, recompute=recompute, fsdp=p.fsdp,
+                p2p=p2p, pack=pack, pack_layout=pack_layout, pos_interp=pos_interp,
+                recompute=recompute, fsdp=p.fsdp,
                 freeze=freeze, ema=t.ema if t.ema.decay is not None else None,
                 distill=t.distill if t.distill.teacher else None, contrastive=contrastive,
                 model=m, data=cfg.data, optim=cfg.optim, train=t, parallel=p,
                 checkpoint=cfg.checkpoint, run_dir=cfg.run_dir)
+
+
+# data.packing.layout=auto. Per image, padded slots compute max_len tokens; packs compute its
+# mean tokens / the packs' fill (the packer run on the sample) times 1 + the packed path's
+# extra cost per token; padded where it costs no more. One H200, bf16, step graphs,
+# 16,384-token packs of at most 64 images against 64 slots (benchmarks/BENCHMARKS.md, "Native
+# resolution"): at 256 patches the stream's images fill 90% of a slot and max_images held the
+# packs to the slots' 256 tokens an image, where SO400M/16 (head dim 72: slots) ran 140.2k real
+# tokens/s packed against 148.1k padded (+6% a token packed) and ViT-B/16 (head dim 64: thd)
+# 603.0k against 605.8k (+1%); at 576 patches (73% of a slot) packs won, SO400M 138.1k against
+# 128.1k and ViT-B 621.0k against 531.5k (+24% and +17% a token, far from even). The torch
+# spec on 2 shared CPU cores, the tiny native demo (54 tokens an image, 65 a slot): level
+# within the noise, packed / padded time per image 0.96-1.03 over four runs, +15-23% a token.
+# The constants put each of these on the side it was measured on (the demo: packs, by ~2%).
+PACKED_OVERHEAD = {
+    "thd": 0.02,  # TE's ragged (thd) attention, at the head dims THD_HEAD_DIMS
+    "slots": 0.10,  # TE at other head dims: a pack's rows gathered into slots and back
+    "torch": 0.17,  # the torch spec's SDPAttention: slots too
+}
+
+
+def packed_path(spec: str, head_dim: int) -> str:
+    """Which attention a pack runs on (PACKED_OVERHEAD's keys): TE's thd at the head dims it
+    runs fast, TE over slots at other head dims, the torch spec's slots."""
+    if spec != "te":
+        return "torch"
+    return "thd" if head_dim in THD_HEAD_DIMS else "slots"
+
+
+def choose_layout(packed: PackSpec, padded: PackSpec, mean_tokens: float, fill: float,
+                  path: str, sampled: int = 0) -> tuple[PackSpec, PackLayout]:
+    """data.packing.layout=auto's rule: padded slots where they cost no more tokens per image
+    than packs (see PACKED_OVERHEAD), given an image's ``mean_tokens`` (prefix included) over
+    ``sampled`` images, the share of a pack they ``fill`` and the packed ``path``
+    (``packed_path``)."""
+    overhead = PACKED_OVERHEAD[path]
+    cost = mean_tokens / fill * (1 + overhead)
+    slot = padded.max_len
+    name = "padded" if slot <= cost else "packed"
+    why = (f"data.packing.layout=auto: {name}: an image costs {slot} tokens in a padded slot, "
+           f"~{cost:.1f} in a pack (mean {mean_tokens:.1f} tokens"
+           + (f" over {sampled} sampled images" if sampled else "")
+           + f" / fill {fill:.3f} x {1 + overhead:.2f} for {path} attention)")
+    return (padded if name == "padded" else packed), PackLayout(name, why)
+
+
+def resolve_pack(cfg: Config, arch: ViTArch, prefix: int, spec: str
+                 ) -> tuple[PackSpec, PackLayout]:
+    """The PackSpec of a native-resolution run's microbatches (data loader and model) and its
+    layout: data.packing.layout as written, or auto's choice (``choose_layout``) from a sample
+    of the training set's image sizes (vitgraph.data.native_size_sample); packed where padded
+    slots cannot run or the sizes cannot be had cheaply."""
+    k = cfg.data.packing
+    packed = pack_spec(k, arch.patch_size, prefix)
+    if k.layout == "packed":
+        return packed, PackLayout("packed", "data.packing.layout=packed in the config")
+    try:
+        padded = pack_spec(k, arch.patch_size, prefix, padded=True, **padded_constraints(cfg))
+    except ValueError as e:
+        if k.layout == "padded":  # config validation says so first
+            raise ConfigError(f"data.packing.layout=padded: {e}") from None
+        return packed, PackLayout("packed", f"data.packing.layout=auto: packed: no padded slots "
+                                            f"({e})")
+    if k.layout == "padded":
+        return padded, PackLayout("padded", "data.packing.layout=padded in the config")
+    try:
+        sizes = native_size_sample(cfg.data, cfg.train.seed)
+    except DataError as e:
+        return packed, PackLayout("packed", f"data.packing.layout=auto: packed: the images' "
+                                            f"sizes are not to be had cheaply ({e})")
+    tokens = size_tokens(sizes, packed)
+    # with micro-batches of one pack, the global batch counts a step's packs
+    fill = pack_fill(tokens, packed, cfg.train.global_batch_size, k.window)
+    path = packed_path(spec, arch.hidden_size // arch.num_heads)
+    return choose_layout(packed, padded, float(tokens.mean()), fill, path, len(sizes))
 
 
 def freeze_rules(cfg: Config) -> tuple:

@@ -35,6 +35,7 @@ BASE = ["data.kind=shapes", "data.num_train=64", "data.num_val=64", "data.render
         "data.augment.mixup_alpha=0", "data.augment.cutmix_alpha=0",
         "data.resolution=native", "data.packing.max_patches=64",
         "data.packing.tokens_per_microbatch=1024", "data.packing.max_images=16",
+        "data.packing.layout=packed",
         "train.micro_batch_size=1", "train.global_batch_size=2",  # two packs a step
         "graphs.enabled=false"]
 STEP = ["graphs.enabled=true", "graphs.scope=step"]

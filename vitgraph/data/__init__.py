@@ -11,11 +11,16 @@ from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import EncodedImages, resolve_decode
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
 from vitgraph.data.imagefolder import build_imagefolder, build_imagefolder_native
-from vitgraph.data.native import (NativeDataset, PackedLoader, iterate_eval_packs, pack_inputs,
-                                  pack_spec)
+from vitgraph.data.imagefolder import native_size_sample as _folder_sizes
+from vitgraph.data.native import (NativeDataset, PackedLoader, iterate_eval_packs, pack_fill,
+                                  pack_inputs, pack_spec, size_tokens)
 from vitgraph.data.shapes import CLASSES as SHAPES_CLASSES
 from vitgraph.data.shapes import build_shapes
+from vitgraph.data.shapes import native_size_sample as _shapes_sizes
 from vitgraph.data.shards import build_webdataset, build_webdataset_native
+from vitgraph.data.shards import native_size_sample as _shards_sizes
+
+SIZE_SAMPLE = 512  # images whose sizes estimate a native dataset's mean image
 
 
 def build_datasets(data_cfg, seed: int, native: bool = False) -> tuple:
@@ -62,6 +67,25 @@ def decode_line(data_cfg, native: bool = False, cuda: bool = False) -> str:
             + (f", {share:.0%} on the CPU (data.cpu_decode_share)" if share else ""))
 
 
+def native_size_sample(data_cfg, seed: int, n: int = SIZE_SAMPLE):
+    """(h, w) int64 [<= n, 2] of training images spread over ``data_cfg``'s native dataset,
+    without decoding a pixel (shapes: drawn from its seed; imagefolder: the files' headers;
+    webdataset: index.json, headers at its offsets or the sizes cache). DataError where that
+    is not cheap or nothing was read; the message says why."""
+    if data_cfg.kind == "shapes":
+        sizes = _shapes_sizes(data_cfg, seed, n)
+    elif data_cfg.kind == "imagefolder":
+        sizes = _folder_sizes(data_cfg, n)
+    elif data_cfg.kind == "webdataset":
+        sizes = _shards_sizes(data_cfg, n)
+    else:
+        raise DataError(f"unknown data.kind {data_cfg.kind!r}")
+    if len(sizes) == 0:
+        raise DataError(f"data.kind={data_cfg.kind}: no image size could be read")
+    return sizes
+
+
 __all__ = ["DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader", "NativeDataset",
            "PackedLoader", "SHAPES_CLASSES", "build_datasets", "decode_line",
-           "iterate_eval", "iterate_eval_packs", "pack_inputs", "pack_spec", "to_model_input"]
+           "iterate_eval", "iterate_eval_packs", "native_size_sample", "pack_fill", "pack_inputs",
+           "pack_spec", "size_tokens", "to_model_input"]

@@ -28,7 +28,7 @@ import torch
 
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import EncodedImages, for_device, load_image, read_size, resolve_decode
-from vitgraph.data.native import FileImages, NativeDataset, read_sizes
+from vitgraph.data.native import FileImages, NativeDataset, read_sizes, spread
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 NAMED = 5  # unreadable files named in the log; the rest are counted
@@ -236,6 +236,17 @@ def read_split_native(root: str, split: str, classes: list[str], workers: int = 
     images = FileImages([paths[i] for i in keep], sizes[keep], workers, decode)
     return NativeDataset(images, torch.tensor([labels[i] for i in keep], dtype=torch.int64),
                          list(classes), None)
+
+
+def native_size_sample(data_cfg, n: int) -> np.ndarray:
+    """(h, w) of at most ``n`` training images spread over the folder (in class order), from
+    their headers; files whose header does not read are left out."""
+    root = data_cfg.path or ""
+    split_dir = os.path.join(root, "train")
+    paths, _ = list_files(split_dir, list_classes(split_dir))
+    paths = [paths[i] for i in spread(len(paths), n)]
+    sizes, bad = read_sizes(len(paths), lambda i: file_size(paths[i]), data_cfg.workers)
+    return np.delete(sizes, sorted(bad), axis=0)
 
 
 def build_imagefolder_native(data_cfg, seed: int):

@@ -22,6 +22,7 @@ device (``Prefetcher`` finishes it on its side stream, ``pack_inputs`` when noth
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -224,6 +225,57 @@ def read_sizes(source_len: int, head_of, workers: int) -> tuple[np.ndarray, dict
     return sizes, errors
 
 
+# ---------------------------------------------------------------- sizes and grids
+
+def native_grids(sizes, spec: PackSpec) -> np.ndarray:
+    """int64 [N, 2]: the patch grid under ``spec`` (``packing.native_grid``) of each (h, w) of
+    ``sizes`` [N, 2], computed once per distinct size."""
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    if len(sizes) == 0:
+        return np.zeros((0, 2), np.int64)
+    uniq, inv = np.unique(sizes, axis=0, return_inverse=True)
+    g = np.array([native_grid(int(h), int(w), spec.patch_size, spec.max_patches,
+                              spec.min_patches) for h, w in uniq.tolist()],
+                 dtype=np.int64).reshape(-1, 2)
+    return g[inv.reshape(-1)]
+
+
+def size_tokens(sizes, spec: PackSpec) -> np.ndarray:
+    """int64 [N]: the tokens of each image of ``sizes`` [N, 2] (h, w) in a pack of ``spec``:
+    its prefix and its patches after the resize to its native grid."""
+    g = native_grids(sizes, spec)
+    return spec.num_prefix + g[:, 0] * g[:, 1]
+
+
+def pack_fill(tokens, spec: PackSpec, num_packs: int, window: int = 0, steps: int = 16,
+              seed: int = 0) -> float:
+    """The share of the packs' tokens that images fill when ``PackedLoader`` packs images of
+    ``tokens`` (each image's tokens with its prefix: a sample of a dataset's, drawn in shuffled
+    rounds) ``num_packs`` a step from a window of ``window`` images (0: the loader's default),
+    over ``steps`` steps: ``packing.fill_packs`` itself. Four packs a step at most, the window
+    scaled with them: the fill follows the images a window offers per pack."""
+    t = np.asarray(tokens, dtype=np.int64)
+    k = min(num_packs, 4)
+    window = max(k, round((window or num_packs * spec.max_images) * k / num_packs))
+    rng = np.random.default_rng(seed)
+    rounds = steps * window // len(t) + 1
+    order = np.concatenate([rng.permutation(len(t)) for _ in range(rounds)]).tolist()
+    carry, at, used = [], 0, 0
+    for _ in range(steps):
+        items = carry + order[at:at + window - len(carry)]
+        at += window - len(carry)
+        packs, left = fill_packs(list(range(len(items))), lambda j: int(t[items[j]]), spec, k)
+        carry = [items[j] for j in left]
+        used += sum(int(t[items[j]]) for pack in packs for j in pack)
+    return used / (steps * k * spec.tokens)
+
+
+def spread(total: int, n: int) -> np.ndarray:
+    """At most ``n`` indices spread evenly over ``range(total)`` (first and last included):
+    a sample that sees every part of a dataset stored in class or shard order."""
+    return np.unique(np.linspace(0, total - 1, min(n, total)).round().astype(np.int64))
+
+
 # ---------------------------------------------------------------- the dataset
 
 @dataclass
@@ -254,17 +306,10 @@ class NativeDataset:
         return self.images.sizes
 
     def grids(self, spec: PackSpec) -> np.ndarray:
-        """int64 [N, 2]: each image's patch grid under ``spec`` (``packing.native_grid``;
-        computed once per distinct size)."""
+        """int64 [N, 2]: each image's patch grid under ``spec`` (``native_grids``)."""
         key = (spec.patch_size, spec.max_patches, spec.min_patches)
         if key not in self._grids:
-            if len(self.sizes) == 0:
-                self._grids[key] = np.zeros((0, 2), np.int64)
-            else:
-                uniq, inv = np.unique(self.sizes, axis=0, return_inverse=True)
-                g = np.array([native_grid(int(h), int(w), *key) for h, w in uniq.tolist()],
-                             dtype=np.int64).reshape(-1, 2)
-                self._grids[key] = g[inv.reshape(-1)]
+            self._grids[key] = native_grids(self.sizes, spec)
         return self._grids[key]
 
     def image_tokens(self, spec: PackSpec) -> np.ndarray:
@@ -683,9 +728,31 @@ def pack_inputs(fields: tuple, device, augment_cfg=None, key=None, seed: int = 0
 
 # ---------------------------------------------------------------- building
 
-def pack_spec(packing_cfg, patch_size: int, num_prefix: int) -> PackSpec:
+def pack_spec(packing_cfg, patch_size: int, num_prefix: int, padded: bool = False,
+              multiple: int = 1, split: int = 1) -> PackSpec:
     """The ``PackSpec`` of data.packing for a model of ``patch_size`` with ``num_prefix`` class
-    and register tokens."""
-    return PackSpec(tokens=packing_cfg.tokens_per_microbatch, max_images=packing_cfg.max_images,
-                    max_patches=packing_cfg.max_patches, num_prefix=num_prefix,
-                    patch_size=patch_size, min_patches=packing_cfg.min_patches)
+    and register tokens. ``padded`` (data.packing.layout=padded): each image in a slot of
+    max_len tokens of its own, as many slots as tokens_per_microbatch holds (max_images at
+    most), rounded down so that their tokens are a multiple of ``multiple`` (16 for FP8
+    GEMMs); ValueError, saying why, where no slot is left or a slot's tokens do not split
+    over ``split`` ranks (sequence parallel's tp)."""
+    k = packing_cfg
+    spec = PackSpec(tokens=k.tokens_per_microbatch, max_images=k.max_images,
+                    max_patches=k.max_patches, num_prefix=num_prefix, patch_size=patch_size,
+                    min_patches=k.min_patches)
+    if not padded:
+        return spec
+    L = spec.max_len
+    if L % split:
+        raise ValueError(f"slots of {L} tokens ({num_prefix} prefix + data.packing.max_patches="
+                         f"{k.max_patches}) do not split over parallel.tp={split} ranks "
+                         "(sequence parallel)")
+    fits = min(k.max_images, k.tokens_per_microbatch // L)
+    step = multiple // math.gcd(multiple, L)
+    slots = fits - fits % step
+    if slots < 1:
+        raise ValueError(f"FP8 GEMMs need a multiple of {multiple} tokens: slots of {L} tokens "
+                         f"come {step} at a time, and data.packing.tokens_per_microbatch="
+                         f"{k.tokens_per_microbatch} (data.packing.max_images={k.max_images}) "
+                         f"holds {fits}")
+    return dataclasses.replace(spec, tokens=slots * L, max_images=slots, padded=True)

@@ -22,6 +22,12 @@ for every pack of one spec (a CUDA graph captured on one pack replays any other)
   no segment is longer than ``max_len`` (attention's ``max_seqlen``);
 * ``labels`` int64 [max_images]: -1 for an empty slot.
 
+A padded spec (``PackSpec.padded``, data.packing.layout=padded) gives each image a slot of
+its own: image ``i`` at token ``i * max_len``, the rest of its slot padding, ``tokens`` =
+``max_images * max_len`` and ``cu_seqlens`` the ``max_images + 1`` slot boundaries (an empty
+slot's too). The same fields, so the loader, the augmentation and the model's embedding and
+pooling serve both; the model runs the slots as a dense batch with a key-padding mask.
+
 The packer fills packs first-fit from a window of images in (shuffled) order: images that
 fit nowhere wait at the head of the next window, so none is dropped and the order stays
 deterministic.
@@ -78,11 +84,15 @@ class PackSpec:
     num_prefix: int  # class token + registers before each image's patches
     patch_size: int
     min_patches: int = 1
+    padded: bool = False  # each image in a slot of max_len tokens (tokens = M * max_len)
 
     def __post_init__(self):
         if self.tokens < self.max_len:
             raise ValueError(f"a pack of {self.tokens} tokens cannot hold one image of "
                              f"{self.max_patches} patches and {self.num_prefix} prefix tokens")
+        if self.padded and self.tokens != self.max_images * self.max_len:
+            raise ValueError(f"padded slots: {self.tokens} tokens for {self.max_images} slots "
+                             f"of {self.max_len}")
 
     @property
     def max_len(self) -> int:
@@ -92,7 +102,7 @@ class PackSpec:
 
     @property
     def pad_segments(self) -> int:
-        return -(-self.tokens // self.max_len)
+        return 0 if self.padded else -(-self.tokens // self.max_len)
 
     @property
     def num_segments(self) -> int:
@@ -121,34 +131,44 @@ def layout(grids: list[tuple[int, int]], spec: PackSpec) -> tuple[torch.Tensor, 
     ``offsets[i]``: where image i's patch tokens start."""
     if len(grids) > spec.max_images:
         raise ValueError(f"{len(grids)} images for a pack of at most {spec.max_images}")
-    T, M, P = spec.tokens, spec.max_images, spec.num_prefix
+    T, M, P, L = spec.tokens, spec.max_images, spec.num_prefix, spec.max_len
     # as arrays (a Python loop of tensor ops per image cost ~3 ms of a CPU demo's pack)
     g = np.asarray(grids, dtype=np.int64).reshape(-1, 2)
     n = P + g[:, 0] * g[:, 1]
-    ends = np.cumsum(n)
-    if len(ends) and ends[-1] > T:
-        first = int(np.argmax(ends > T))
-        raise ValueError(f"images of {int(ends[first])} tokens overflow a pack of {T}")
-    starts = ends - n
-    used = int(ends[-1]) if len(ends) else 0
+    runs = np.cumsum(n) - n  # each image's start in its images' tokens back to back
+    if spec.padded:
+        if len(n) and n.max() > L:
+            raise ValueError(f"an image of {int(n.max())} tokens overflows a slot of {L}")
+        starts = np.arange(len(n), dtype=np.int64) * L
+    else:
+        ends = runs + n
+        if len(ends) and ends[-1] > T:
+            first = int(np.argmax(ends > T))
+            raise ValueError(f"images of {int(ends[first])} tokens overflow a pack of {T}")
+        starts = runs
     c = np.zeros((T, 4), dtype=np.int64)
     sg = np.full(T, M, dtype=np.int64)
-    if used:
-        sg[:used] = np.repeat(np.arange(len(n)), n)
-        within = np.arange(used) - np.repeat(starts, n)  # place in the image's run
+    total = int(n.sum())
+    if total:
+        within = np.arange(total) - np.repeat(runs, n)  # place in the image's run
+        pos = np.repeat(starts, n) + within  # its token in the pack
+        sg[pos] = np.repeat(np.arange(len(n)), n)
         gh, gw = np.repeat(g[:, 0], n), np.repeat(g[:, 1], n)
         r = within - P
         prefix = r < 0
-        c[:used, 0] = np.where(prefix, -1 - within, r // gw)
-        c[:used, 1] = np.where(prefix, 0, r % gw)
-        c[:used, 2], c[:used, 3] = gh, gw
+        c[pos, 0] = np.where(prefix, -1 - within, r // gw)
+        c[pos, 1] = np.where(prefix, 0, r % gw)
+        c[pos, 2], c[pos, 3] = gh, gw
     coords, seg = torch.from_numpy(c), torch.from_numpy(sg)
     offsets = (starts + P).tolist()
-    bounds, at = [0, *ends.tolist()], used
-    while at < T:  # padding, in runs no longer than an image's longest
-        at = min(at + spec.max_len, T)
-        bounds.append(at)
-    bounds += [T] * (spec.num_segments + 1 - len(bounds))
+    if spec.padded:  # the slots, empty ones too
+        bounds = (np.arange(M + 1) * L).tolist()
+    else:
+        bounds, at = [0, *(starts + n).tolist()], total
+        while at < T:  # padding, in runs no longer than an image's longest
+            at = min(at + L, T)
+            bounds.append(at)
+        bounds += [T] * (spec.num_segments + 1 - len(bounds))
     return coords, seg, torch.tensor(bounds, dtype=torch.int32), offsets
 
 

@@ -36,7 +36,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from vitgraph.data.dataset import DataError, ImageDataset
-from vitgraph.data.native import ArrayImages, NativeDataset
+from vitgraph.data.native import ArrayImages, NativeDataset, spread
 
 VERSION = 1
 CHUNK = 500
@@ -585,6 +585,16 @@ def load_or_generate_native(split: str, num: int, seed: int, num_classes: int,
         cache_dir, params, ("pixels", "sizes", "labels", "captions"),
         lambda: generate_native(num, split_seed(seed, split), num_classes, render_size, workers),
         cache_max_mb)
+
+
+def native_size_sample(data_cfg, seed: int, n: int) -> np.ndarray:
+    """(h, w) of ``n`` training images of the native shapes data (spread over the split), from
+    its seed alone: ``native_sizes`` draws them before any pixel (the seed as ``build_shapes``
+    takes it)."""
+    data_seed = getattr(data_cfg, "seed", None)
+    seed = seed if data_seed is None else data_seed
+    sizes = native_sizes(data_cfg.num_train, split_seed(seed, "train"), data_cfg.render_size)
+    return sizes[spread(len(sizes), n)]
 
 
 def build_shapes(data_cfg, seed: int, native: bool = False):

@@ -27,7 +27,7 @@ import torch
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import (EncodedImages, decode_full, decode_image, for_device,
                                   read_size, resolve_decode)
-from vitgraph.data.native import NativeDataset, ShardMembers, read_sizes
+from vitgraph.data.native import NativeDataset, ShardMembers, read_sizes, spread
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 INDEX = "index.json"
@@ -265,6 +265,35 @@ def read_shard_split_native(root: str, split: str, workers: int, decode: str,
     images = ShardMembers(paths, [entries[i] for i in keep], sizes[keep], workers, decode)
     return NativeDataset(images, torch.tensor([labels[i] for i in keep], dtype=torch.int64),
                          classes, [captions[i] for i in keep] if captions else None)
+
+
+def native_size_sample(data_cfg, n: int) -> np.ndarray:
+    """(h, w) of at most ``n`` training samples spread over the shards, where that is cheap:
+    index.json's ``hw``, else the members' headers at its offsets, else the sizes cache of
+    an earlier run (``member_sizes``). DataError when none of these is there: the sizes would
+    take every tar header of the split."""
+    root = data_cfg.path or ""
+    if os.path.isfile(os.path.join(root, INDEX)):
+        paths, entries, _, _, hws, _ = _split_samples(root, "train", None)
+        pick = spread(len(entries), n)
+        if hws and all(hws[i] is not None for i in pick):
+            sizes = np.asarray([hws[i] for i in pick], dtype=np.int64).reshape(-1, 2)
+        else:
+            sizes, _ = read_sizes(len(pick), lambda j: _member_size(
+                paths[entries[pick[j]][0]], *entries[pick[j]][1:]), data_cfg.workers)
+        return sizes[(sizes > 0).all(1)]
+    cache = _sizes_cache(getattr(data_cfg, "cache_dir", None), split_shards(root, "train"),
+                         "train")
+    if cache and os.path.isfile(cache):
+        try:
+            sizes = np.load(cache, allow_pickle=False).reshape(-1, 2)
+        except Exception:  # truncated or foreign: as if it were not there
+            sizes = None
+        if sizes is not None:
+            sizes = sizes[spread(len(sizes), n)]
+            return sizes[(sizes > 0).all(1)]
+    raise DataError(f"{root}: no {INDEX} and no cached sizes: the image sizes would take "
+                    "every tar header of the train split")
 
 
 def build_webdataset_native(data_cfg, seed: int):

@@ -124,20 +124,18 @@ def transformer_config(plan, model_cfg, d) -> TransformerConfig:
     )
 
 
-def build_model(plan, model_cfg, d, num_classes: int, seed: int,
-                packed_attention: str = "thd") -> list[ViT]:
+def build_model(plan, model_cfg, d, num_classes: int, seed: int) -> list[ViT]:
     """This rank's classifier chunks: one per virtual pipeline stage (a list of one without).
     ``num_classes``: the head's (model.num_classes, when set, wins); ``seed``: the weights'.
-    With ``plan.pack`` (data.resolution=native) the chunks take packs: ``packed_attention``
-    thd (the images of a pack as attention segments) or padded (each image in a slot of
-    max_len tokens with a key mask: what a fixed-shape graph needs without packing, for
-    benchmarks; its microbatches come from vitgraph.models.packed.padded_layout)."""
+    With ``plan.pack`` (data.resolution=native) the chunks take packs as its layout says:
+    the images of a pack as attention segments (thd), or with ``pack.padded`` each image in a
+    slot of max_len tokens with a key mask (data.packing.layout)."""
     config = transformer_config(plan, model_cfg, d)
     pack = getattr(plan, "pack", None)
     # the padding mask costs a little in attention: only layers that may see padding get it
     # (eval batches of other sizes are filled up instead: vitgraph.train.evaluate). A thd
     # pack needs none (megatron asks TE for its padding mask type itself)
-    padding = plan.pads if pack is None else packed_attention == "padded"
+    padding = plan.pads if pack is None else pack.padded
     layer_spec = get_layer_spec(plan.spec, padding_mask=padding, fused_norm=plan.fused_norm,
                                 drop_path_rate=model_cfg.drop_path_rate)
     chunks = []
@@ -149,7 +147,6 @@ def build_model(plan, model_cfg, d, num_classes: int, seed: int,
                     distill_token=model_cfg.distill_token, pool=model_cfg.pool, pre_process=first, post_process=last,
                     vp_stage=vp if d.vpp > 1 else None,
                     pad_to=plan.token_padding if plan.pads else None, pack=pack,
-                    packed_attention=packed_attention,
                     pos_interp=getattr(plan, "pos_interp", "bicubic"))
         init_weights(chunk, seed, tp_rank=d.tp_rank, tp_size=d.tp)
         chunks.append(chunk)

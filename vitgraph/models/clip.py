@@ -100,7 +100,8 @@ def tower_config(base: TransformerConfig, *, hidden_size: int, num_layers: int, 
 def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed: int = 0,
                tp_rank: int = 0, tp_size: int = 1, context_length: int | None = None,
                pad_to=None, init_logit_bias: float | None = None,
-               fused_norm: bool = False, drop_path_rate: float = 0.0) -> CLIP:
+               fused_norm: bool = False, drop_path_rate: float = 0.0, pack=None,
+               pos_interp: str = "bicubic") -> CLIP:
     """One CLIP model (both towers on one pipeline stage), weights drawn layout-independently.
 
     ``spec``: ``te`` | ``torch`` (resolved); ``context_length``: the text positions (the
@@ -108,7 +109,9 @@ def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed
     ``fused_norm``: both towers' layers are ResidualNormLayer (vitgraph.models.specs);
     ``init_logit_bias``: give a model without one a logit bias (to train it with the SigLIP
     loss); ``drop_path_rate``: the image tower's stochastic depth (model.drop_path_rate; the
-    text tower has none)."""
+    text tower has none); ``pack`` (a vitgraph.data.packing.PackSpec): the image tower takes
+    packs of it (native resolution; its padded slots with a key mask), its positions
+    resampled by ``pos_interp``."""
     name = arch if isinstance(arch, str) else None
     if isinstance(arch, str):
         arch = get_clip_arch(arch)
@@ -132,13 +135,14 @@ def build_clip(arch: CLIPArch | str, base: TransformerConfig, spec: str, *, seed
                         num_heads=t.num_heads, ffn_hidden_size=t.ffn_hidden_size,
                         activation=arch.activation, eps=arch.layernorm_epsilon)
     mapped = arch.vision_pool == "map"
-    visual = ViT(vcfg, get_layer_spec(spec, padding_mask=pad_to is not None,
+    masked = pad_to is not None or (pack is not None and pack.padded)
+    visual = ViT(vcfg, get_layer_spec(spec, padding_mask=masked,
                                       fused_norm=fused_norm, drop_path_rate=drop_path_rate),
                  v, 0,
                  class_token=arch.class_token, pool="mean" if mapped else arch.vision_pool,
                  pad_to=pad_to, ln_pre=arch.ln_pre, head="map" if mapped else "proj",
                  embed_dim=arch.embed_dim,
-                 patch_bias=arch.patch_bias)
+                 patch_bias=arch.patch_bias, pack=pack, pos_interp=pos_interp)
     text = TextTransformer(tcfg, get_layer_spec(spec, causal=t.causal, fused_norm=fused_norm), t,
                            arch.embed_dim)
     bias = arch.init_logit_bias if init_logit_bias is None else init_logit_bias

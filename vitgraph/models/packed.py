@@ -1,6 +1,6 @@
 """The pieces of the packed (native-resolution) ViT forward that are not megatron's: per-token
 position resampling, prefix tokens, the block-diagonal attention mask of the torch spec,
-pooling per image slot, and the ``padded`` layout the benchmark compares packing against.
+pooling per image slot, and the key mask of the padded slots.
 
 A pack (vitgraph.data.packing) is ``T`` tokens of up to ``M`` images back to back; every
 function here takes the pack's fixed-shape fields (``coords`` [T, 4], ``seg`` [T],
@@ -10,10 +10,11 @@ shape that depends on the data, so one CUDA graph serves every pack.
 Pooling sums over an image's tokens as a matrix product with the [M, T] slot-membership
 matrix: deterministic (no atomics), and one GEMM each way.
 
-The ``padded`` layout is what a fixed-shape graph needs without packing: image ``i`` in
-tokens ``[i L, (i + 1) L)`` (``L = spec.max_len``), its prefix, patches and then padding,
-run as a dense [L, M, d] batch with a key-padding mask. Its fields have the packed format,
-``cu_seqlens`` the slot starts, so embedding and pooling are shared.
+A padded spec (``PackSpec.padded``, data.packing.layout=padded) is what a fixed-shape batch
+needs without packing: image ``i`` in tokens ``[i L, (i + 1) L)`` (``L = spec.max_len``), its
+prefix, patches and then padding, run as a dense [L, M, d] batch with a key-padding mask. Its
+fields have the packed format, ``cu_seqlens`` the slot starts, so embedding and pooling are
+shared.
 """
 from __future__ import annotations
 
@@ -29,17 +30,8 @@ except ImportError:
     triton = None
 
 from vitgraph.data.loader import MEAN, STD
-from vitgraph.data.packing import PackSpec
 
-ATTENTIONS = ("thd", "padded")
 POS_INTERP = ("bicubic", "bilinear")
-
-
-def pack_tokens(spec: PackSpec, attention: str = "thd") -> int:
-    """The tokens of one microbatch's layout: the pack budget, or M slots of max_len."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"packed attention {attention!r}: {' | '.join(ATTENTIONS)}")
-    return spec.tokens if attention == "thd" else spec.max_images * spec.max_len
 
 
 def segment_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -336,36 +328,6 @@ def normalise(patches: torch.Tensor, device, dtype=torch.float32) -> torch.Tenso
     mean = torch.tensor(MEAN, device=x.device).repeat_interleave(per)
     std = torch.tensor(STD, device=x.device).repeat_interleave(per)
     return ((x - mean) / std).to(dtype)
-
-
-def padded_layout(patches: list[torch.Tensor], grids: list[tuple[int, int]],
-                  labels: list[int], spec: PackSpec) -> tuple[torch.Tensor, ...]:
-    """(patches, coords, seg, cu_seqlens, labels) of ``grids``' images each in a slot of
-    ``spec.max_len`` tokens (the ``padded`` attention): M * max_len tokens, ``cu_seqlens``
-    the M + 1 slot boundaries, padding tokens seg = M and coords 0 as in a pack."""
-    M, L, P = spec.max_images, spec.max_len, spec.num_prefix
-    if len(grids) > M:
-        raise ValueError(f"{len(grids)} images for {M} slots")
-    T = M * L
-    out = torch.zeros(T, spec.patch_dim, dtype=torch.uint8)
-    coords = torch.zeros(T, 4, dtype=torch.int64)
-    seg = torch.full((T,), M, dtype=torch.int64)
-    for i, (rows, (gh, gw)) in enumerate(zip(patches, grids)):
-        n = gh * gw
-        if n > spec.max_patches or rows.shape != (n, spec.patch_dim):
-            raise ValueError(f"patch rows {tuple(rows.shape)} for a {gh}x{gw} grid "
-                             f"(at most {spec.max_patches} patches)")
-        at = i * L
-        seg[at:at + P + n] = i
-        coords[at:at + P + n, 2], coords[at:at + P + n, 3] = gh, gw
-        coords[at:at + P, 0] = -1 - torch.arange(P)
-        r = torch.arange(n)
-        coords[at + P:at + P + n, 0], coords[at + P:at + P + n, 1] = r // gw, r % gw
-        out[at + P:at + P + n] = rows
-    cu = (torch.arange(M + 1) * L).to(torch.int32)
-    lab = torch.full((M,), -1, dtype=torch.int64)
-    lab[:len(labels)] = torch.as_tensor(labels, dtype=torch.int64)
-    return out, coords, seg, cu, lab
 
 
 def key_padding_mask(seg: torch.Tensor, max_images: int, slot_len: int) -> torch.Tensor:

@@ -33,8 +33,9 @@ learned position grid resampled per token (vitgraph.models.packed), prefix token
 class token / register parameters and their position entries. The hidden states [T, 1, d]
 go through the TransformerBlock as one ``thd`` sequence (megatron's PackedSeqParams: TE's
 attention keeps the images apart by ``cu_seqlens``, the torch spec's SDPAttention by a
-block-diagonal mask); ``packed_attention="padded"`` instead runs M slots of max_len tokens as
-a dense [max_len, M, d] batch with a key-padding mask (for benchmarks). Every stage takes the
+block-diagonal mask); a padded spec (``pack.padded``, data.packing.layout=padded) instead runs
+M slots of max_len tokens as a dense [max_len, M, d] batch with a key-padding mask
+(``packed_attention`` "padded", else "thd"). Every stage takes the
 pack's fields, a later pipeline stage [T (/ tp with sequence parallel), 1, d] from the one
 before it; pooling is per slot by ``seg``.
 """
@@ -77,8 +78,8 @@ class ViT(MegatronModule):
                  pool: str = "cls", pre_process: bool = True, post_process: bool = True,
                  vp_stage: int | None = None, pad_to=None, ln_pre: bool = False,
                  head: str = "classifier", embed_dim: int | None = None,
-                 patch_bias: bool = True, pack=None, packed_attention: str = "thd",
-                 pos_interp: str = "bicubic", distill_token: bool = False):
+                 patch_bias: bool = True, pack=None, pos_interp: str = "bicubic",
+                 distill_token: bool = False):
         super().__init__(config=config)
         _check_head(head, pool, embed_dim, class_token, distill_token)
         # read by megatron's Float16Module to find the first / last virtual stage: without it
@@ -114,7 +115,7 @@ class ViT(MegatronModule):
             self._make_head(head, num_classes, embed_dim, kw)
         self.pack = None
         if pack is not None:
-            self.use_pack(pack, packed_attention, pos_interp)
+            self.use_pack(pack, pos_interp)
 
     def _make_embedding(self, patch_bias: bool, ln_pre: bool, kw: dict) -> None:
         """The first stage's parts: patch embedding, prefix tokens, positions, ln_pre."""
@@ -156,9 +157,9 @@ class ViT(MegatronModule):
                 torch.nn.init.zeros_(self.head_dist.weight)
                 torch.nn.init.zeros_(self.head_dist.bias)
 
-    def use_pack(self, pack, attention: str = "thd", pos_interp: str = "bicubic") -> None:
+    def use_pack(self, pack, pos_interp: str = "bicubic") -> None:
         """Take packs of ``pack`` (a PackSpec) from now on (see the module docstring); the
-        layers' mask type must suit ``attention``: none for thd, padding for padded."""
+        layers' mask type must suit it: none for a pack (thd), padding for padded slots."""
         if self.distill_token:
             raise ValueError("packs carry one class token an image: no distillation token")
         if pack.num_prefix != self.num_prefix or pack.patch_size != self.arch.patch_size:
@@ -167,13 +168,13 @@ class ViT(MegatronModule):
                              f"{self.arch.patch_size}")
         if pos_interp not in pk.POS_INTERP:
             raise ValueError(f"pos_interp {pos_interp!r}: {' | '.join(pk.POS_INTERP)}")
-        tokens = pk.pack_tokens(pack, attention)
+        attention = "padded" if pack.padded else "thd"
         sp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        split = pack.max_len if attention == "padded" else tokens
+        split = pack.max_len if pack.padded else pack.tokens
         if split % sp:
             raise ValueError(f"sequence parallel splits {split} tokens over {sp} ranks")
         self.pack, self.packed_attention, self.pos_interp = pack, attention, pos_interp
-        self.pack_len = tokens
+        self.pack_len = pack.tokens
         self.pad_to = None  # a pack is its own fixed length
 
     def _prefix_params(self):

@@ -120,9 +120,9 @@ class ContrastiveTask(Task):
                            context_length=self.context_length,
                            pad_to=plan.token_padding if plan.pads else None,
                            init_logit_bias=bias, fused_norm=plan.fused_norm,
-                           drop_path_rate=plan.model.drop_path_rate)
-        if self.pack is not None:  # the image tower takes packs (its text tower is as ever)
-            model.visual.use_pack(self.pack, "thd", getattr(plan, "pos_interp", "bicubic"))
+                           drop_path_rate=plan.model.drop_path_rate,
+                           # the image tower takes packs (its text tower is as ever)
+                           pack=self.pack, pos_interp=getattr(plan, "pos_interp", "bicubic"))
         v, t = self.arch.vision, self.arch.text
         n_text = sum(p.numel() for p in model.text.parameters()) - t.vocab_size * t.hidden_size
         n_image = sum(p.numel() for p in model.visual.parameters())

@@ -198,6 +198,8 @@ class Trainer:
                  f", drop path {drop_path:g} (model.drop_path_rate)" if drop_path else "")
         log.info("optim: %s", optim_line(plan.optim, lr_scales(self.chunks, plan.optim.layer_decay)))
         log.info("graphs: %s", plan.graphs)
+        if plan.pack_layout is not None:
+            log.info("packing: %s", plan.pack_layout)
         log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
                  self.num_microbatches, t.micro_batch_size, d.dp)
