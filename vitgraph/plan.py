@@ -188,16 +188,17 @@ def resolve(cfg: Config, world_size: int) -> Plan:
 # extra cost per token; padded where it costs no more. One H200, bf16, step graphs,
 # 16,384-token packs of at most 64 images against 64 slots (benchmarks/BENCHMARKS.md, "Native
 # resolution"): at 256 patches the stream's images fill 90% of a slot and max_images held the
-# packs to the slots' 256 tokens an image, where SO400M/16 (head dim 72: slots) ran 140.2k real
-# tokens/s packed against 148.1k padded (+6% a token packed) and ViT-B/16 (head dim 64: thd)
-# 603.0k against 605.8k (+1%); at 576 patches (73% of a slot) packs won, SO400M 138.1k against
-# 128.1k and ViT-B 621.0k against 531.5k (+24% and +17% a token, far from even). The torch
+# packs to the slots' 256 tokens an image, where SO400M/16 (head dim 72: slots) ran 146.4k real
+# tokens/s packed against 147.3k padded (+1% a token packed; +6% before the one-pass row
+# gather of 36360d9) and ViT-B/16 (head dim 64: thd) 603.0k against 605.8k (+1%); at 576
+# patches (73% of a slot) packs won, SO400M 145.1k against 125.0k and ViT-B 621.0k against
+# 531.5k (+27% and +17% a token, far from even). The torch
 # spec on 2 shared CPU cores, the tiny native demo (54 tokens an image, 65 a slot): level
 # within the noise, packed / padded time per image 0.96-1.03 over four runs, +15-23% a token.
 # The constants put each of these on the side it was measured on (the demo: packs, by ~2%).
 PACKED_OVERHEAD = {
     "thd": 0.02,  # TE's ragged (thd) attention, at the head dims THD_HEAD_DIMS
-    "slots": 0.10,  # TE at other head dims: a pack's rows gathered into slots and back
+    "slots": 0.05,  # TE at other head dims: a pack's rows gathered into slots and back
     "torch": 0.17,  # the torch spec's SDPAttention: slots too
 }
 
