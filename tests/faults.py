@@ -1,5 +1,7 @@
-"""Numerical faults for the reliability tests: a wrapper around the tasks' loss that makes the
-loss of chosen training steps NaN, installed by the test (the trainer knows nothing of it).
+"""Faults for the reliability tests, installed by the test (the trainer knows nothing of them):
+a wrapper around the tasks' loss that makes the loss of chosen training steps NaN, and a stop
+signal the process sends itself as a chosen step starts (on a GPU a tiny run's steps take
+milliseconds: a signal from outside, timed by the log, lands anywhere).
 
 The factor is a device scalar that ``prepare`` fills on the host before each step's kernels
 are queued (NaN for a chosen step, else 1); ``loss`` multiplies by it, so a step captured
@@ -8,10 +10,13 @@ whole in a CUDA graph reads the new value at every replay. Eval batches (key Non
     with nan_loss_at("4-5"):        # in this process
         main(["train", ...])
     python tests/faults.py 4-5 train CONFIG key=value ...   # as a command
+    python tests/faults.py sigterm@7 train CONFIG ...       # SIGTERM as step 7 starts
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 
 import torch
@@ -58,7 +63,30 @@ def nan_loss_at(steps: str):
             cls.prepare, cls.loss = prepare, loss
 
 
+@contextlib.contextmanager
+def sigterm_at(step: int):
+    """SIGTERM to this process as training step ``step`` (1-based) starts, while inside."""
+    saved = [(cls, cls.prepare) for cls in (ClassificationTask, ContrastiveTask)]
+
+    def wrap(cls, prepare):
+        def signalling_prepare(self, raw, key, device, first_stage):
+            if key is not None and key == (step - 1, 0):
+                os.kill(os.getpid(), signal.SIGTERM)
+            return prepare(self, raw, key, device, first_stage)
+        cls.prepare = signalling_prepare
+
+    for cls, prepare in saved:
+        wrap(cls, prepare)
+    try:
+        yield
+    finally:
+        for cls, prepare in saved:
+            cls.prepare = prepare
+
+
 if __name__ == "__main__":
     from vitgraph.cli import main
-    with nan_loss_at(sys.argv[1]):
+    fault = sys.argv[1]
+    with (sigterm_at(int(fault.split("@")[1])) if fault.startswith("sigterm@")
+          else nan_loss_at(fault)):
         raise SystemExit(main(sys.argv[2:]))

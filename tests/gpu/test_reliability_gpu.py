@@ -56,8 +56,6 @@ def test_three_preemptions_end_on_the_uninterrupted_curve(tmp_path, env, capsys,
     run's, within bf16 noise (TE's fused attention backward may accumulate in any order:
     not asserted bit-equal)."""
     import random
-    import signal
-    import time
     from vitgraph.cli import main
     steps = 24
     extra = {"model.spec": "auto", "train.log_every": 1, "checkpoint.every": 0,
@@ -65,17 +63,13 @@ def test_three_preemptions_end_on_the_uninterrupted_curve(tmp_path, env, capsys,
     cfg = str(ROOT / "configs" / config)
     assert main(["train", cfg, *tiny_overrides(tmp_path / "ref", steps, **extra)]) == 0
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "vitgraph", "train", cfg, *tiny_overrides(run, steps, **extra)]
     for stop in sorted(random.Random(config).sample(range(3, steps - 2), 3)):
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-        deadline = time.time() + 300
-        while max(_log_steps(run), default=0) < stop and proc.poll() is None:
-            assert time.time() < deadline, f"no step {stop}"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 75, out[-2000:] + err[-2000:]
+        # the signal sent by the process itself as step ``stop`` starts (tests/faults.py)
+        r = subprocess.run([sys.executable, str(ROOT / "tests" / "faults.py"), f"sigterm@{stop}",
+                            "train", cfg, *tiny_overrides(run, steps, **extra)],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 75, r.stdout[-2000:] + r.stderr[-2000:]
+        assert max(_log_steps(run)) == stop  # finished its step, then stopped
     capsys.readouterr()
     assert main(["train", cfg, *tiny_overrides(run, steps, **extra)]) == 0
     assert "at step" in capsys.readouterr().out  # resumed
