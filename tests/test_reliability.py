@@ -292,7 +292,7 @@ def _wait_for_steps(proc, run_dir: Path, n: int, timeout=240):
 
 
 def test_sigterm_saves_exits_75_and_the_resumed_run_continues_the_curve(tmp_path, env, capsys):
-    steps = 40
+    steps = 24
     over = {"train.log_every": 1, "checkpoint.every": 0}
     ref, run_dir = tmp_path / "ref", tmp_path / "run"
     assert train_here(capsys, ref, steps=steps, **over)[0] == 0  # in this process: no start-up

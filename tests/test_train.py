@@ -97,7 +97,7 @@ def _alive(pid: int) -> bool:
 def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env, capsys):
     """Only the killed run is a process of its own; the reference and the resume run here."""
     from vitgraph.cli import main
-    steps, every = 60, 10
+    steps, every = 30, 5
     over = dict(**{"checkpoint.every": every, "checkpoint.keep": 10})
     ref_dir, dir_ = tmp_path / "ref", tmp_path / "killed"
     assert main(["train", DEFAULT, *tiny_overrides(ref_dir, steps=steps, **over)]) == 0
@@ -107,7 +107,7 @@ def test_killed_run_resumes_and_continues_the_loss_curve(tmp_path, env, capsys):
     latest = dir_ / "checkpoints" / "latest"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if latest.is_file() and latest.read_text().strip() >= "step_000020":
+        if latest.is_file() and latest.read_text().strip() >= "step_000010":
             break
         time.sleep(0.02)
     assert proc.poll() is None, "the run finished before it could be killed"
