@@ -15,6 +15,8 @@ from vitgraph import set_hardware_queues
 set_hardware_queues()  # in-process GPU tests run as `vitgraph train` does (before CUDA starts)
 import torch  # noqa: E402
 
+from vitgraph.parallel.fsdp import local  # noqa: E402
+
 # CPU: one intra-op thread in this process, whatever a Trainer asks for (vitgraph.parallel.setup
 # takes cpu_count / local ranks): the suite's models are width 64, too small to split, and two
 # threads on two shared cores wait on each other in every op. tests/test_clip.py took 114 s
@@ -238,8 +240,8 @@ def training_state(t) -> dict:
     step counts and param groups (through the inner optimizer's state_dict, so TE's layout on
     GPU), the EMA and its count, the LR schedule, the data position, the RNG state and the
     step."""
-    def copy(v):
-        return v.detach().clone() if torch.is_tensor(v) else v
+    def copy(v):  # parallel.fsdp: this rank's piece
+        return local(v).detach().clone() if torch.is_tensor(v) else v
 
     out = {"step": t.step, "scheduler": t.scheduler.state_dict(),
            "loader": t.loader.state_dict(), "rng.torch": torch.get_rng_state()}
@@ -267,10 +269,11 @@ def training_state(t) -> dict:
     return out
 
 
-def save_then_load(make, steps: int = 3) -> tuple[dict, dict]:
+def save_then_load(make, steps: int = 3, shutdown_dist: bool = True) -> tuple[dict, dict]:
     """A Trainer from ``make()`` trains ``steps`` steps and saves a checkpoint; a second one
     from ``make()`` (the same run folder) resumes from it. (training_state after the save,
-    training_state after the load)."""
+    training_state after the load). ``shutdown_dist=False``: both in one default process
+    group, as tests and benchmarks make trainers."""
     t = make()
     try:
         for _ in range(steps):
@@ -280,7 +283,7 @@ def save_then_load(make, steps: int = 3) -> tuple[dict, dict]:
         t.checkpointer.save(t.step)
         saved = training_state(t)
     finally:
-        t.close()
+        t.close(shutdown_dist=shutdown_dist)
     t = make()
     try:
         t.maybe_resume()

@@ -71,7 +71,7 @@ class Checkpointer:
     checkpoints once (rank 0)."""
 
     def __init__(self, section: CheckpointConfig, run_dir: Path, total_steps: int, d: Dist,
-                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: bool = False,
+                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp=None,
                  classes: list | None = None):
         self.section, self.dir = section, run_dir / "checkpoints"
         self.total_steps, self.d, self.fsdp = total_steps, d, fsdp
@@ -90,11 +90,11 @@ class Checkpointer:
     def state(self, is_loading: bool = False, ema: bool = True) -> dict:
         """What a checkpoint holds (see the class); ``ema``: with the EMA, where there is one."""
         state = self._state(is_loading, ema)
-        return fsdp.to_shards(state) if self.fsdp else state
+        return state if self.fsdp is None else fsdp.to_shards(state, self.fsdp)
 
     def _state(self, is_loading: bool, ema: bool) -> dict:
         """``state`` before FSDP's DTensors are cut into this rank's pieces."""
-        with fsdp.unsharded_view() if self.fsdp else contextlib.nullcontext():
+        with contextlib.nullcontext() if self.fsdp is None else fsdp.unsharded_view():
             model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
             extra = {}
             if self.ema is not None and ema:
@@ -127,11 +127,11 @@ class Checkpointer:
         with_ema = self.ema is not None and holds_ema(path)
         allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
         template = self._state(is_loading=True, ema=with_ema)
-        pieces = fsdp.to_shards(template) if self.fsdp else template
+        pieces = template if self.fsdp is None else fsdp.to_shards(template, self.fsdp)
         with torch.serialization.safe_globals(offload_pickled_classes()):
             state = load(path, self.d, pieces)
-        if self.fsdp:
-            state = fsdp.restore(template, state)
+        if self.fsdp is not None:
+            state = fsdp.restore(template, state, self.fsdp)
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])

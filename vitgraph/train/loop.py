@@ -20,6 +20,7 @@ from vitgraph.data.augment import augment_line
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
+from vitgraph.parallel import fsdp
 from vitgraph.parallel.setup import (collective_timeout, init_distributed, launched_world_size,
                                      parallelize, shutdown)
 from vitgraph.plan import resolve
@@ -214,7 +215,8 @@ class Trainer:
         self.records = RecordLog(self.run_dir, d.rank == 0, t.tensorboard)
         self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, self.total_steps, d,
                                          self.chunks, self.optimizer, self.scheduler,
-                                         self.loader, self.ema, plan.fsdp,
+                                         self.loader, self.ema,
+                                         fsdp.mesh_of(self.wrapped) if plan.fsdp else None,
                                          self.train_set.classes)
         self.step = 0
         if d.cuda:
