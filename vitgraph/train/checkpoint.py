@@ -47,7 +47,6 @@ from vitgraph.config import CheckpointConfig
 from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
 from vitgraph.convert.checkpoints import (CheckpointError, quiet_reads, step_dirs, verify,
                                           write_manifest)
-from vitgraph.convert.export_files import write_classes
 from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
 from vitgraph.train.optim import allocate_offloaded_state, offload_pickled_classes
@@ -66,21 +65,17 @@ class Checkpointer:
     the optimizer as sharded tensors with global names (any layout can load them), the LR
     schedule and the data position as common state; with train.ema (``ema``) the EMA of the
     weights under the model's names prefixed "ema." and its step count. parallel.fsdp
-    (``fsdp``): the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp).
-    ``classes``: the class names an export of the run carries, written beside the
-    checkpoints once (rank 0)."""
+    (``fsdp``: the wrapped chunks, whose mesh it shards over): the same tensors, this rank's
+    pieces of them (vitgraph.parallel.fsdp)."""
 
     def __init__(self, section: CheckpointConfig, run_dir: Path, total_steps: int, d: Dist,
-                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp=None,
-                 classes: list | None = None):
+                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: list | None = None):
         self.section, self.dir = section, run_dir / "checkpoints"
         self.total_steps, self.d, self.fsdp = total_steps, d, fsdp
         # what a checkpoint holds
         self.chunks, self.optimizer, self.scheduler = chunks, optimizer, scheduler
         self.loader, self.ema = loader, ema
         self.saved_step = -1  # the step of the newest checkpoint this process wrote or loaded
-        if d.rank == 0 and classes is not None:
-            write_classes(run_dir, classes)
 
     def due(self, step: int) -> bool:
         """checkpoint.every: a save after ``step`` (the last step's is the run's end's)."""
@@ -90,7 +85,7 @@ class Checkpointer:
     def state(self, is_loading: bool = False, ema: bool = True) -> dict:
         """What a checkpoint holds (see the class); ``ema``: with the EMA, where there is one."""
         state = self._state(is_loading, ema)
-        return state if self.fsdp is None else fsdp.to_shards(state, self.fsdp)
+        return state if self.fsdp is None else fsdp.to_shards(state, fsdp.mesh_of(self.fsdp))
 
     def _state(self, is_loading: bool, ema: bool) -> dict:
         """``state`` before FSDP's DTensors are cut into this rank's pieces."""
@@ -127,11 +122,12 @@ class Checkpointer:
         with_ema = self.ema is not None and holds_ema(path)
         allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
         template = self._state(is_loading=True, ema=with_ema)
-        pieces = template if self.fsdp is None else fsdp.to_shards(template, self.fsdp)
+        mesh = None if self.fsdp is None else fsdp.mesh_of(self.fsdp)
+        pieces = template if mesh is None else fsdp.to_shards(template, mesh)
         with torch.serialization.safe_globals(offload_pickled_classes()):
             state = load(path, self.d, pieces)
-        if self.fsdp is not None:
-            state = fsdp.restore(template, state, self.fsdp)
+        if mesh is not None:
+            state = fsdp.restore(template, state, mesh)
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -15,12 +15,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from vitgraph import HARDWARE_QUEUES, StopSignals, hardware_queues
 from vitgraph.config import Config, ConfigError, validate_machine
 from vitgraph.convert import ConvertError
+from vitgraph.convert.export_files import write_classes
 from vitgraph.data import DataError, MicrobatchLoader, PackedLoader, build_datasets, decode_line
 from vitgraph.data.augment import augment_line
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
-from vitgraph.parallel import fsdp
 from vitgraph.parallel.setup import (collective_timeout, init_distributed, launched_world_size,
                                      parallelize, shutdown)
 from vitgraph.plan import resolve
@@ -171,9 +171,9 @@ class Trainer:
         # the task (vitgraph.tasks: the model, its batches and its loss) and this rank's model
         # chunks (one per virtual pipeline stage), wrapped for precision, data parallelism and
         # graphs
+        decoded = decode_line(plan.data, plan.native, d.cuda)
         self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
-        decoded = decode_line(plan.data, plan.native, d.cuda)
         log.info("data: %s, %d train / %d held-out images, %d classes%s (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), f", {decoded}" if decoded else "",
@@ -181,6 +181,8 @@ class Trainer:
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
         self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
+        if d.rank == 0:  # what an export of the run names its classes by
+            write_classes(self.run_dir, self.train_set.classes)
         self._build_training()
         self._at_startup("model build")
 
@@ -216,8 +218,7 @@ class Trainer:
         self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, self.total_steps, d,
                                          self.chunks, self.optimizer, self.scheduler,
                                          self.loader, self.ema,
-                                         fsdp.mesh_of(self.wrapped) if plan.fsdp else None,
-                                         self.train_set.classes)
+                                         self.wrapped if plan.fsdp else None)
         self.step = 0
         if d.cuda:
             warn_if_fallback(log)
