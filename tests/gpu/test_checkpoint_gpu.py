@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_same_state, save_then_load
-from test_checkpoint_state import CONFIGS, trainer
+from test_checkpoint_state import trainer
 from vitgraph.config import load_config
 
 pytestmark = pytest.mark.gpu
@@ -50,9 +50,11 @@ def check(saved: dict, loaded: dict) -> None:
 
 
 # (resolution, distributed optimizer, graphs): both optimizers at both resolutions on the
-# default GPU path (step graphs), and the distributed optimizer eager (~18 s each on an H200)
-CASES = [(config, distributed, "step-graphs") for config in CONFIGS
-         for distributed in ("true", "false")] + [(config, "true", "eager") for config in CONFIGS]
+# default GPU path (step graphs), and the distributed optimizer eager (~18 s each on an H200;
+# FSDP: tests/gpu/test_fsdp_gpu.py)
+RESOLUTIONS = ("fixed", "native")
+CASES = [(config, distributed, "step-graphs") for config in RESOLUTIONS
+         for distributed in ("true", "false")] + [(config, "true", "eager") for config in RESOLUTIONS]
 
 
 @pytest.mark.parametrize("config,distributed,graphs", CASES, ids=[

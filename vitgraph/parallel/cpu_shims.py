@@ -136,12 +136,12 @@ def install() -> bool:
     return True
 
 
-def clip_grad_norm(params, max_norm: float, model_parallel_group, dp_group) -> float:
+def clip_grad_norm(params, max_norm: float, model_parallel_group) -> float:
     """Global L2 grad norm over the model-parallel group, clipped to ``max_norm`` (0: no clip).
 
     The CPU stand-in for megatron's ``clip_grad_norm_fp32``: tensor-parallel duplicates
     (replicated params) are counted once, as megatron does; FSDP's gradient pieces
-    (DTensors) are summed over ``dp_group`` (not their mesh's: see vitgraph.parallel.fsdp).
+    (DTensors) are summed over their data-parallel mesh.
     """
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     grads = [local(p.grad) for p in params if p.grad is not None]
@@ -156,7 +156,7 @@ def clip_grad_norm(params, max_norm: float, model_parallel_group, dp_group) -> f
         part = torch.zeros(1, dtype=torch.float64)
         for g in sharded:
             part += local(g).double().pow(2).sum()
-        torch.distributed.all_reduce(part, group=dp_group)
+        torch.distributed.all_reduce(part, group=sharded[0].device_mesh.get_group())
         sq += part
     if model_parallel_group is not None and torch.distributed.get_world_size(model_parallel_group) > 1:
         torch.distributed.all_reduce(sq, group=model_parallel_group)

@@ -10,11 +10,6 @@ describe as a shard, and uneven splits they cannot describe at all; its wrapper'
 DTensor-backed ShardedTensor into this rank's piece of the same global tensor. The checkpoint
 is then the one a DDP run writes: either layout resumes the other (``restore`` turns loaded
 pieces back into DTensors).
-
-Both take the data-parallel mesh from the model's wrapper (``mesh_of``), never from a
-DTensor: a mesh compares equal to an earlier Trainer's of the same ranks, and in a second
-Trainer of one process the parameters and their state came out carrying the first one's,
-whose process group is gone ("Could not resolve the process group registered under ...").
 """
 from __future__ import annotations
 
@@ -75,29 +70,12 @@ def _rows(n: int, parts: int, rank: int) -> tuple[int, int]:
     return min(rank * c, n), min(rank * c + c, n)
 
 
-def mesh_of(wrapped: list):
-    """The data-parallel mesh the FSDP wrappers in ``wrapped`` shard over."""
-    return next(c.device_mesh for c in wrapped if isinstance(c, FullySharded))
-
-
-def _placement(t, mesh) -> tuple[int, int] | None:
-    """(dp size, dp rank) of a DTensor split along dim 0 over ``mesh``; None otherwise."""
+def _placement(t) -> tuple[int, int] | None:
+    """(dp size, dp rank) of a DTensor split along dim 0 on a 1-D mesh; None otherwise."""
     from torch.distributed.tensor import Shard
-    if not is_dtensor(t) or t.device_mesh != mesh or t.placements != (Shard(0),):
+    if not is_dtensor(t) or t.device_mesh.ndim != 1 or t.placements != (Shard(0),):
         return None
-    return mesh.size(), mesh.get_local_rank()
-
-
-def _gather(t, mesh) -> torch.Tensor:
-    """The whole of DTensor ``t``, split along dim 0 over ``mesh`` in torch.chunk's pieces
-    (collective; DTensor's own ``full_tensor`` would use ``t``'s mesh)."""
-    n, dp = t.shape[0], mesh.size()
-    piece = local(t)
-    padded = piece.new_zeros((math.ceil(n / dp), *piece.shape[1:]))
-    padded[:piece.shape[0]] = piece
-    out = piece.new_empty((dp * padded.shape[0], *piece.shape[1:]))
-    torch.distributed.all_gather_into_tensor(out, padded, group=mesh.get_group())
-    return out[:n]
+    return t.device_mesh.size(), t.device_mesh.get_local_rank()
 
 
 def _map(tree, fn):
@@ -110,18 +88,18 @@ def _map(tree, fn):
     return fn(tree)
 
 
-def _shard(sh, mesh):
+def _shard(sh):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     if not isinstance(sh, ShardedTensor) or not is_dtensor(sh.data):
         return sh
-    place = _placement(sh.data, mesh)
+    place = _placement(sh.data)
     if place is None:
         raise NotImplementedError(f"{sh.key}: a DTensor with placements {sh.data.placements}")
     dp, r = place
     a = sh.prepend_axis_num  # the tensor's dim 0 in the global tensor (local_shape: 0)
     n = sh.data.shape[0]
     if n % dp:  # uneven (or empty) pieces: the whole tensor, written once (dp replica 0)
-        return replace(sh, data=_gather(sh.data, mesh))
+        return replace(sh, data=sh.data.full_tensor())
     c = n // dp
     offset, frags, shape = list(sh.global_offset), list(sh.axis_fragmentations), list(sh.local_shape)
     offset[a] += r * c
@@ -133,14 +111,14 @@ def _shard(sh, mesh):
                    axis_fragmentations=tuple(frags), local_shape=tuple(shape), replica_id=rid)
 
 
-def to_shards(state: dict, mesh) -> dict:
+def to_shards(state: dict) -> dict:
     """``state`` (built under ``unsharded_view``) with every DTensor-backed ShardedTensor as
     this rank's piece: evenly split tensors as their local shard (dp replica 0 each), the
     others as the whole tensor (gathered: collective, every rank walks the same state)."""
-    return _map(state, lambda sh: _shard(sh, mesh))
+    return _map(state, _shard)
 
 
-def restore(template: dict, loaded: dict, mesh) -> dict:
+def restore(template: dict, loaded: dict) -> dict:
     """``loaded`` (dist_checkpointing's answer for ``to_shards(template)``) with every piece
     that ``template`` held as a DTensor made that DTensor's shape and placement again, so the
     model's and the optimizer's ``load_state_dict`` take it."""
@@ -151,11 +129,11 @@ def restore(template: dict, loaded: dict, mesh) -> dict:
         if not (isinstance(t, ShardedTensor) and is_dtensor(t.data)):
             return value
         dt = t.data
-        dp, r = _placement(dt, mesh)
+        dp, r = _placement(dt)
         if value.shape[0] == dt.shape[0] and dt.shape[0] % dp:  # the whole tensor
             lo, hi = _rows(dt.shape[0], dp, r)
             value = value[lo:hi]
-        return DTensor.from_local(value.to(dt.dtype).contiguous(), mesh,
+        return DTensor.from_local(value.to(dt.dtype).contiguous(), dt.device_mesh,
                                   dt.placements, run_check=False, shape=dt.shape,
                                   stride=dt.stride())
 

@@ -151,6 +151,17 @@ def destroy_model_parallel() -> None:
             dist.destroy_process_group(group)
         except ValueError:  # "Invalid process group": one megatron already destroyed
             pass
+    forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding caches (Python and C++). They key each op's output layout by
+    its inputs' meshes, and meshes compare by their ranks alone: in a process's second FSDP
+    Trainer the parameters, gradients and optimizer state came out on the first Trainer's
+    mesh, whose process group was destroyed ("Could not resolve the process group registered
+    under the name ...", in megatron's grad norm and in checkpoints)."""
+    from torch.distributed.tensor import debug
+    debug._clear_sharding_prop_cache()
 
 
 def collective_timeout(p: ParallelConfig) -> datetime.timedelta:

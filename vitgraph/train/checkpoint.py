@@ -65,11 +65,10 @@ class Checkpointer:
     the optimizer as sharded tensors with global names (any layout can load them), the LR
     schedule and the data position as common state; with train.ema (``ema``) the EMA of the
     weights under the model's names prefixed "ema." and its step count. parallel.fsdp
-    (``fsdp``: the wrapped chunks, whose mesh it shards over): the same tensors, this rank's
-    pieces of them (vitgraph.parallel.fsdp)."""
+    (``fsdp``): the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp)."""
 
     def __init__(self, section: CheckpointConfig, run_dir: Path, total_steps: int, d: Dist,
-                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: list | None = None):
+                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: bool = False):
         self.section, self.dir = section, run_dir / "checkpoints"
         self.total_steps, self.d, self.fsdp = total_steps, d, fsdp
         # what a checkpoint holds
@@ -85,11 +84,11 @@ class Checkpointer:
     def state(self, is_loading: bool = False, ema: bool = True) -> dict:
         """What a checkpoint holds (see the class); ``ema``: with the EMA, where there is one."""
         state = self._state(is_loading, ema)
-        return state if self.fsdp is None else fsdp.to_shards(state, fsdp.mesh_of(self.fsdp))
+        return fsdp.to_shards(state) if self.fsdp else state
 
     def _state(self, is_loading: bool, ema: bool) -> dict:
         """``state`` before FSDP's DTensors are cut into this rank's pieces."""
-        with contextlib.nullcontext() if self.fsdp is None else fsdp.unsharded_view():
+        with fsdp.unsharded_view() if self.fsdp else contextlib.nullcontext():
             model = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(self.chunks)}
             extra = {}
             if self.ema is not None and ema:
@@ -122,12 +121,11 @@ class Checkpointer:
         with_ema = self.ema is not None and holds_ema(path)
         allocate_offloaded_state(self.optimizer)  # before the load fills the weights in place
         template = self._state(is_loading=True, ema=with_ema)
-        mesh = None if self.fsdp is None else fsdp.mesh_of(self.fsdp)
-        pieces = template if mesh is None else fsdp.to_shards(template, mesh)
+        pieces = fsdp.to_shards(template) if self.fsdp else template
         with torch.serialization.safe_globals(offload_pickled_classes()):
             state = load(path, self.d, pieces)
-        if mesh is not None:
-            state = fsdp.restore(template, state, mesh)
+        if self.fsdp:
+            state = fsdp.restore(template, state)
         for i, c in enumerate(self.chunks):
             c.load_state_dict(state[f"model{i}"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -217,8 +217,7 @@ class Trainer:
         self.records = RecordLog(self.run_dir, d.rank == 0, t.tensorboard)
         self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, self.total_steps, d,
                                          self.chunks, self.optimizer, self.scheduler,
-                                         self.loader, self.ema,
-                                         self.wrapped if plan.fsdp else None)
+                                         self.loader, self.ema, plan.fsdp)
         self.step = 0
         if d.cuda:
             warn_if_fallback(log)

@@ -237,8 +237,7 @@ class CpuOptimizer:
         self._all_reduce([p.grad for p in self.params if p.grad is not None
                           and not is_dtensor(p.grad)],
                          ps.get_data_parallel_group(), average=True)
-        norm = cpu_shims.clip_grad_norm(self.params, self.clip, ps.get_model_parallel_group(),
-                                        ps.get_data_parallel_group(with_context_parallel=True))
+        norm = cpu_shims.clip_grad_norm(self.params, self.clip, ps.get_model_parallel_group())
         if not torch.isfinite(torch.tensor(norm)):  # a NaN/inf loss or gradient: skip the step,
             return False, norm, None                # weights and AdamW state untouched
         self.optimizer.step()
