@@ -500,3 +500,47 @@ def test_the_device_functions_shapes_do_not_depend_on_the_draws(preset):
         theta=torch.tensor([[1.0, 0, 0], [0, 1.0, 0]]).expand(16, 2, 3)))
     assert torch.allclose(plain, to_model_input(images[:, 4:36, 4:36], 32, "cpu",
                                                 torch.float32), atol=1e-5)
+
+
+# ---------------------------------------------------------------- in the trainer
+
+def _train(run_dir, *over):
+    """Six steps of the tiny config with the deit preset (RandAugment, mixup / cutmix,
+    erasing), two microbatches a step; the loss of each step."""
+    import json
+
+    from conftest import tiny_overrides
+    from vitgraph.train.loop import train
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", tiny_overrides(run_dir, steps=6, **{
+        "train.log_every": 1, "data.num_train": 128, "data.num_val": 32,
+        "train.global_batch_size": 16, "train.micro_batch_size": 8, "checkpoint.every": 3,
+        "checkpoint.keep": 5, "data.augment.enabled": "true", "data.augment.preset": "deit",
+        "data.augment.erase_prob": 0.5}) + list(over))
+    train(cfg)
+    recs = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}, recs
+
+
+def test_step_graphs_train_the_eager_curve_with_augmentation_and_resume_onto_it(tmp_path):
+    """The augmentation runs in the task's forward, inside the step: graphs.scope=step (the
+    CPU rerun backend: the captured step replayed with each step's images and parameters
+    copied into its inputs) trains the eager curve exactly, and a run resumed from its
+    step-3 checkpoint continues it exactly (the draws are keyed by step and microbatch)."""
+    import shutil
+    eager, _ = _train(tmp_path / "eager")
+    assert sorted(eager) == list(range(1, 7))
+    assert "mixup 0.8 / cutmix 1 (p 1, cutmix share 0.5), erasing 0.5" in (
+        tmp_path / "eager" / "train.log").read_text()
+    graphed, recs = _train(tmp_path / "step", "graphs.enabled=true", "graphs.scope=step",
+                           "graphs.warmup_steps=2")
+    assert [r for r in recs if "loss" in r][-1]["graphs_replays"] > 0
+    assert graphed == eager
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "step", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000006")
+    (resumed / "checkpoints" / "latest").write_text("step_000003\n")
+    for name in ("log.jsonl", "metrics.json"):  # a finished run is not trained again
+        (resumed / name).unlink()
+    got, _ = _train(resumed, "graphs.enabled=true", "graphs.scope=step",
+                    "graphs.warmup_steps=1")
+    assert got == {s: eager[s] for s in (4, 5, 6)}
