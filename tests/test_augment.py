@@ -326,10 +326,10 @@ def test_native_packs_draw_colour_jitter_with_their_own_ops():
 def test_presets_on_the_gpu_match_the_cpu(preset):
     """The draws are the host's, the ops (blur and grayscale included) batched on the device:
     the same batch as on the CPU up to float rounding (equalize and posterize round to 8 bits,
-    so a pixel there may differ by a level). Erasing is off: its noise is the device
-    generator's, another stream on each device by design."""
+    so a pixel there may differ by a level). The erasing noise is a hash of integers, then
+    log / cos: equal up to their rounding on each device."""
     images, labels = batch(b=32, size=40)
-    a = BatchAugment(AugmentConfig(enabled=True, preset=preset, erase_prob=0.0), 32, 5, 0.1,
+    a = BatchAugment(AugmentConfig(enabled=True, preset=preset, erase_prob=0.5), 32, 5, 0.1,
                      seed=3)
     for key in ((0, 0), (7, 1)):
         cpu = a.images(images, key, "cpu")
@@ -544,3 +544,31 @@ def test_step_graphs_train_the_eager_curve_with_augmentation_and_resume_onto_it(
     got, _ = _train(resumed, "graphs.enabled=true", "graphs.scope=step",
                     "graphs.warmup_steps=1")
     assert got == {s: eager[s] for s in (4, 5, 6)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["deit", "deit3"])
+def test_the_device_function_replays_in_a_cuda_graph(preset):
+    """Captured once (a host sync or a draw-dependent shape would fail the capture), then
+    replayed with other images and parameters copied into its inputs: the eager batch of
+    each key, bit for bit (the same kernels on the same inputs)."""
+    a = BatchAugment(AugmentConfig(enabled=True, preset=preset, erase_prob=0.5), 32, 5,
+                     seed=3)
+    dev = torch.device("cuda")
+    images = batch(b=32, size=40)[0].to(dev)
+    params = a.draw(32, (0, 0)).to(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (library workspaces)
+        a.apply(images, params)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = a.apply(images, params)
+    for key in ((1, 0), (7, 1), (8, 0)):
+        new = batch(b=32, size=40, seed=key[0])[0].to(dev)
+        images.copy_(new)
+        for static, t in zip(params, a.draw(32, key)):
+            static.copy_(t)
+        graph.replay()
+        assert torch.equal(out, a.images(new, key, dev)), key

@@ -17,13 +17,17 @@ inputs and (soft) targets:
 ``data.augment.preset`` (light | deit | deit3) gives every other key its default; a key set in
 the config wins over its preset (``AugmentConfig.resolve``).
 
-Every random choice except the erasing noise is drawn on the CPU from a numpy generator
-seeded by (seed, step, data-parallel rank, microbatch): the same on CPU and GPU, the same
-after a resume, and the mixing parameters can be redrawn from the labels alone on a last
-pipeline stage that never sees the images. The erasing noise is drawn on the device from a
-generator seeded the same way. Colour ops commute with the warps except at the fill, so
-applying all geometric ops first (inside the crop) and the colour ops after is a close stand-in
-for timm's random op order.
+Every random choice is drawn on the CPU from a numpy generator seeded by (seed, step,
+data-parallel rank, microbatch) (``BatchAugment.draw``): the same on CPU and GPU, the same after
+a resume, and the mixing parameters can be redrawn from the labels alone on a last pipeline
+stage that never sees the images. The draws are packed into tensors of fixed shapes
+(``AugmentParams``) and the device function (``BatchAugment.apply``) reads them: no shape, host
+sync or Python branch there depends on a draw, so it can run inside a captured step graph (the
+classification task calls it in its forward; the tensors are graph inputs refilled before each
+replay). The erasing noise is a counter-based hash of a per-image seed and the pixel index, for
+the same reason. Colour ops commute with the warps except at the fill, so applying all
+geometric ops first (inside the crop) and the colour ops after is a close stand-in for timm's
+random op order.
 """
 from __future__ import annotations
 

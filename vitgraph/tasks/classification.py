@@ -1,6 +1,10 @@
 """Image classification: the ViT with a class head, cross-entropy with optional label smoothing
 and mixed (mixup / cutmix) targets, held-out loss and top-1.
 
+A training microbatch with data.augment on is (uint8 images, targets, labels, *AugmentParams):
+``forward`` augments the images first (vitgraph.data.augment.BatchAugment.apply), so a step
+graph holds the augmentation and takes the drawn parameters as inputs.
+
 At native resolution (plan.pack) a microbatch is one pack (vitgraph.data.packing): prepared
 as (x [T, 3 p^2] normalised and augmented, coords, seg, cu_seqlens, labels [M]) on the
 device, the model's output is one row per image slot, and the loss, top-1 and counts are
