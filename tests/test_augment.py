@@ -511,7 +511,7 @@ def _train(run_dir, *over):
 
     from conftest import tiny_overrides
     from vitgraph.train.loop import train
-    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", tiny_overrides(run_dir, steps=6, **{
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", tiny_overrides(run_dir, 6, **{
         "train.log_every": 1, "data.num_train": 128, "data.num_val": 32,
         "train.global_batch_size": 16, "train.micro_batch_size": 8, "checkpoint.every": 3,
         "checkpoint.keep": 5, "data.augment.enabled": "true", "data.augment.preset": "deit",

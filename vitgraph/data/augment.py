@@ -203,7 +203,9 @@ class AugmentParams(NamedTuple):
     ops: torch.Tensor  # [b, slots] int64: each slot's op, a TABLE index (-1: none)
     mag: torch.Tensor  # [b, slots] float32: its signed magnitude in [-1, 1]
     erase: torch.Tensor  # [b, 4] int64: erased rows top..bottom, columns left..right (empty: none)
-    noise: torch.Tensor  # [b] int64: each image's erasing-noise seed (32 bits)
+    # [b] int64: each image's erasing-noise seed (32 bits); last, as it leads with b: the
+    # trainer reads the micro-batch size off a prepared microbatch's last field
+    noise: torch.Tensor
 
     def to(self, device) -> "AugmentParams":
         return AugmentParams(*(t.to(device, non_blocking=True) for t in self))
