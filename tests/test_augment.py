@@ -326,10 +326,10 @@ def test_native_packs_draw_colour_jitter_with_their_own_ops():
 def test_presets_on_the_gpu_match_the_cpu(preset):
     """The draws are the host's, the ops (blur and grayscale included) batched on the device:
     the same batch as on the CPU up to float rounding (equalize and posterize round to 8 bits,
-    so a pixel there may differ by a level). Erasing is off: its noise is the device
-    generator's, another stream on each device by design."""
+    so a pixel there may differ by a level). The erasing noise is a hash of integers, then
+    log / cos: equal up to their rounding on each device."""
     images, labels = batch(b=32, size=40)
-    a = BatchAugment(AugmentConfig(enabled=True, preset=preset, erase_prob=0.0), 32, 5, 0.1,
+    a = BatchAugment(AugmentConfig(enabled=True, preset=preset, erase_prob=0.5), 32, 5, 0.1,
                      seed=3)
     for key in ((0, 0), (7, 1)):
         cpu = a.images(images, key, "cpu")
@@ -337,3 +337,238 @@ def test_presets_on_the_gpu_match_the_cpu(preset):
         close = ((gpu - cpu).abs() < 1e-4).float().mean()
         assert close > 0.999, (preset, key, close)
         assert torch.equal(a.targets(labels, key), a.targets(labels.cuda(), key).cpu())
+
+
+# ---------------------------------------------------------------- the device function
+
+def old_images(a, images_uint8, key, noise=None):
+    """The eager implementation before the draws and the device function were split (per-op
+    Python loops, indexing by the draws), kept as the reference. ``noise(x)``: the erasing
+    noise; None draws it as it did, from a torch generator."""
+    from vitgraph.data.augment import GEOMETRIC, TABLE, _rng
+    from vitgraph.data.loader import MEAN, STD
+    c, s = a.cfg, a.image_size
+    x = images_uint8.permute(0, 3, 1, 2).float().div_(255)
+    b = x.shape[0]
+    rng = _rng(a.seed, (a.rank, *key), 1)
+    w, h, cx, cy, flip = a._crop_params(rng, b)
+    ops, mag = a._op_params(rng, b)
+    theta = np.zeros((b, 3, 3))
+    theta[:, 0, 0] = w * np.where(flip, -1.0, 1.0)
+    theta[:, 1, 1] = h
+    theta[:, 0, 2], theta[:, 1, 2] = 2 * cx - 1, 2 * cy - 1
+    theta[:, 2, 2] = 1
+    for slot in range(ops.shape[1]):
+        theta = theta @ a._geometric(ops[:, slot], mag[:, slot])
+    grid = torch.nn.functional.affine_grid(torch.as_tensor(theta[:, :2], dtype=torch.float32),
+                                           [b, 3, s, s], align_corners=False)
+    x = torch.nn.functional.grid_sample(x - 0.5, grid, mode="bilinear", padding_mode="zeros",
+                                        align_corners=False).add_(0.5).clamp_(0, 1)
+    for slot in range(ops.shape[1]):
+        for k, name in enumerate(TABLE):
+            if name in GEOMETRIC or name == "identity":
+                continue
+            idx = np.nonzero(ops[:, slot] == k)[0]
+            if len(idx):
+                m = torch.as_tensor(np.abs(mag[idx, slot]), dtype=x.dtype)
+                sg = torch.as_tensor(np.sign(mag[idx, slot]), dtype=x.dtype)
+                x[idx] = _colour(name, x[idx], m.view(-1, 1, 1, 1), sg.view(-1, 1, 1, 1))
+    x = (x - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    if c.erase_prob > 0:
+        x = old_erase(a, x, rng, key, noise)
+    lam, box = a.mix_params(b, key)
+    if lam < 1.0:
+        if box is None:
+            x = x * lam + x.flip(0) * (1 - lam)
+        else:
+            y0, y1, x0, x1 = (round(v * s) for v in box)
+            x[:, :, y0:y1, x0:x1] = x.flip(0)[:, :, y0:y1, x0:x1]
+    return x.contiguous()
+
+
+def old_erase(a, x, rng, key, noise):
+    import math
+
+    from vitgraph.data.augment import _rng
+    b, _, hgt, wid = x.shape
+    area = rng.uniform(0.02, 1 / 3, (b, 10)) * hgt * wid
+    logr = rng.uniform(math.log(0.3), math.log(1 / 0.3), (b, 10))
+    eh = np.round(np.sqrt(area * np.exp(logr))).astype(int)
+    ew = np.round(np.sqrt(area / np.exp(logr))).astype(int)
+    ok = (eh < hgt) & (ew < wid) & (eh > 0) & (ew > 0)
+    rows, first = np.arange(b), ok.argmax(1)
+    do = (rng.uniform(0, 1, b) < a.cfg.erase_prob) & ok.any(1)
+    eh, ew = eh[rows, first], ew[rows, first]
+    top = (rng.uniform(0, 1, b) * (hgt - eh + 1)).astype(int)
+    left = (rng.uniform(0, 1, b) * (wid - ew + 1)).astype(int)
+    if not do.any():
+        return x
+    t = lambda v: torch.as_tensor(v).view(-1, 1, 1, 1)  # noqa: E731
+    yy = torch.arange(hgt).view(1, 1, -1, 1)
+    xx = torch.arange(wid).view(1, 1, 1, -1)
+    mask = (t(do) & (yy >= t(top)) & (yy < t(top + eh)) & (xx >= t(left))
+            & (xx < t(left + ew)))
+    if noise is None:
+        gen = torch.Generator().manual_seed(int(_rng(a.seed, (a.rank, *key), 3).integers(2**62)))
+        return torch.where(mask, torch.randn(x.shape, generator=gen), x)
+    return torch.where(mask, noise(x), x)
+
+
+def new_noise(a, key):
+    """The device function's erasing noise for microbatch ``key``, as a reference noise."""
+    from vitgraph.data.augment import _noise
+    return lambda x: _noise(a.draw(x.shape[0], key).noise, x)
+
+
+CASES = {  # each preset, and each op / mix / erase alone
+    "light": dict(preset="light"),
+    "deit": dict(preset="deit"),
+    "deit3": dict(preset="deit3"),
+    "deit3+mixup": dict(preset="deit3", mixup_alpha=0.8),
+    "randaugment-all-ops": dict(preset="deit", op_prob=1.0, num_ops=3, mixup_alpha=0,
+                                cutmix_alpha=0, erase_prob=0),
+    "trivialaugment+jitter": dict(preset="deit", auto="trivialaugment", color_jitter=0.4,
+                                  mixup_alpha=0, cutmix_alpha=0, erase_prob=0),
+    "mixup": dict(preset="light", mixup_alpha=0.8),
+    "cutmix": dict(preset="light", cutmix_alpha=1.0),
+    "erase": dict(preset="light", erase_prob=1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_device_function_gives_the_old_images_and_targets(case):
+    """Bit-equal (torch.equal) to the old eager code for the same seed and key, every op
+    included; the erasing noise is the one thing drawn differently (a counter-based hash of
+    a per-image seed instead of a torch generator), so it is compared with that noise put into
+    the old code, and the erased pixels (old noise) are checked apart."""
+    images, labels = batch(b=24, size=40)
+    a = BatchAugment(AugmentConfig(enabled=True, **CASES[case]), 32, 5, 0.1, seed=3, rank=1)
+    for key in ((0, 0), (5, 1), (11, 2)):
+        new = a.images(images, key, "cpu")
+        assert torch.equal(new, old_images(a, images, key, new_noise(a, key))), (case, key)
+        assert torch.equal(a.targets(labels, key), a.targets(labels.clone(), key))
+        if a.cfg.erase_prob == 0:
+            assert torch.equal(new, old_images(a, images, key)), (case, key)
+        elif not a.cfg.mixes:  # the old generator's noise: the same pixels erased, others
+            old = old_images(a, images, key)
+            erased = a.draw(24, key).erase
+            assert (erased[:, 1] > erased[:, 0]).any()
+            differs = (new != old).any(1)
+            for i, (y0, y1, x0, x1) in enumerate(erased.tolist()):
+                inside = torch.zeros(32, 32, dtype=torch.bool)
+                inside[y0:y1, x0:x1] = True
+                assert torch.equal(differs[i], inside), (case, key, i)
+
+
+def test_the_erasing_noise_is_standard_normal_and_keyed():
+    from vitgraph.data.augment import _noise
+    like = torch.zeros(64, 3, 32, 32)
+    z = _noise(torch.arange(64) * 7919, like)
+    assert z.shape == like.shape and torch.isfinite(z).all()
+    assert abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
+    assert abs(z.flatten(1).std(1).mean().item() - 1) < 0.02
+    assert abs(((z.abs() < 1).float().mean()).item() - 0.6827) < 0.005
+    # one image's noise depends on its seed alone, not on its neighbours
+    assert torch.equal(z[5:6], _noise(torch.tensor([5 * 7919]), like[:1]))
+    assert not torch.equal(z[0], z[1])
+    assert torch.corrcoef(z[:2].flatten(1))[0, 1].abs() < 0.05
+
+
+@pytest.mark.parametrize("preset", ["deit", "deit3"])
+def test_the_device_functions_shapes_do_not_depend_on_the_draws(preset):
+    """The parameters' shapes follow the config and the micro-batch only, and so do the
+    kernels: an op nobody drew, a mix that did not happen, no erasing, all run the same
+    shapes (a step graph replays one recording for any draw)."""
+    images, _ = batch(b=16, size=40)
+    a = BatchAugment(AugmentConfig(enabled=True, preset=preset), 32, 5, seed=0)
+    shapes = {tuple((tuple(t.shape), t.dtype) for t in a.draw(16, (k, 0))) for k in range(20)}
+    assert len(shapes) == 1
+    p = a.draw(16, (0, 0))
+    none = p._replace(ops=torch.full_like(p.ops, -1), mag=torch.zeros_like(p.mag),
+                      erase=torch.zeros_like(p.erase),
+                      mix=torch.tensor([1.0, 0.0, 0, 0, 0, 0]))
+    kernels = []
+    for params in (p, none):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = a.apply(images, params)
+        assert out.shape == (16, 3, 32, 32) and torch.isfinite(out).all()
+        kernels.append([(e.name, str(e.input_shapes)) for e in prof.events()
+                        if e.name.startswith("aten::")])
+    assert kernels[0] == kernels[1]
+    # no draw at all: the crop and nothing else, as the eval transform without a resize
+    plain = a.apply(images[:, 4:36, 4:36].contiguous(), none._replace(
+        theta=torch.tensor([[1.0, 0, 0], [0, 1.0, 0]]).expand(16, 2, 3)))
+    assert torch.allclose(plain, to_model_input(images[:, 4:36, 4:36], 32, "cpu",
+                                                torch.float32), atol=1e-5)
+
+
+# ---------------------------------------------------------------- in the trainer
+
+def _train(run_dir, *over):
+    """Six steps of the tiny config with the deit preset (RandAugment, mixup / cutmix,
+    erasing), two microbatches a step; the loss of each step."""
+    import json
+
+    from conftest import tiny_overrides
+    from vitgraph.train.loop import train
+    cfg = load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", tiny_overrides(run_dir, 6, **{
+        "train.log_every": 1, "data.num_train": 128, "data.num_val": 32,
+        "train.global_batch_size": 16, "train.micro_batch_size": 8, "checkpoint.every": 3,
+        "checkpoint.keep": 5, "data.augment.enabled": "true", "data.augment.preset": "deit",
+        "data.augment.erase_prob": 0.5}) + list(over))
+    train(cfg)
+    recs = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}, recs
+
+
+def test_step_graphs_train_the_eager_curve_with_augmentation_and_resume_onto_it(tmp_path):
+    """The augmentation runs in the task's forward, inside the step: graphs.scope=step (the
+    CPU rerun backend: the captured step replayed with each step's images and parameters
+    copied into its inputs) trains the eager curve exactly, and a run resumed from its
+    step-3 checkpoint continues it exactly (the draws are keyed by step and microbatch)."""
+    import shutil
+    eager, _ = _train(tmp_path / "eager")
+    assert sorted(eager) == list(range(1, 7))
+    assert "mixup 0.8 / cutmix 1 (p 1, cutmix share 0.5), erasing 0.5" in (
+        tmp_path / "eager" / "train.log").read_text()
+    graphed, recs = _train(tmp_path / "step", "graphs.enabled=true", "graphs.scope=step",
+                           "graphs.warmup_steps=2")
+    assert [r for r in recs if "loss" in r][-1]["graphs_replays"] > 0
+    assert graphed == eager
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "step", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000006")
+    (resumed / "checkpoints" / "latest").write_text("step_000003\n")
+    for name in ("log.jsonl", "metrics.json"):  # a finished run is not trained again
+        (resumed / name).unlink()
+    got, _ = _train(resumed, "graphs.enabled=true", "graphs.scope=step",
+                    "graphs.warmup_steps=1")
+    assert got == {s: eager[s] for s in (4, 5, 6)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["deit", "deit3"])
+def test_the_device_function_replays_in_a_cuda_graph(preset):
+    """Captured once (a host sync or a draw-dependent shape would fail the capture), then
+    replayed with other images and parameters copied into its inputs: the eager batch of
+    each key, bit for bit (the same kernels on the same inputs)."""
+    a = BatchAugment(AugmentConfig(enabled=True, preset=preset, erase_prob=0.5), 32, 5,
+                     seed=3)
+    dev = torch.device("cuda")
+    images = batch(b=32, size=40)[0].to(dev)
+    params = a.draw(32, (0, 0)).to(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (library workspaces)
+        a.apply(images, params)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = a.apply(images, params)
+    for key in ((1, 0), (7, 1), (8, 0)):
+        new = batch(b=32, size=40, seed=key[0])[0].to(dev)
+        images.copy_(new)
+        for static, t in zip(params, a.draw(32, key)):
+            static.copy_(t)
+        graph.replay()
+        assert torch.equal(out, a.images(new, key, dev)), key

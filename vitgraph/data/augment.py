@@ -17,19 +17,23 @@ inputs and (soft) targets:
 ``data.augment.preset`` (light | deit | deit3) gives every other key its default; a key set in
 the config wins over its preset (``AugmentConfig.resolve``).
 
-Every random choice except the erasing noise is drawn on the CPU from a numpy generator
-seeded by (seed, step, data-parallel rank, microbatch): the same on CPU and GPU, the same
-after a resume, and the mixing parameters can be redrawn from the labels alone on a last
-pipeline stage that never sees the images. The erasing noise is drawn on the device from a
-generator seeded the same way. Colour ops commute with the warps except at the fill, so
-applying all geometric ops first (inside the crop) and the colour ops after is a close stand-in
-for timm's random op order.
+Every random choice is drawn on the CPU from a numpy generator seeded by (seed, step,
+data-parallel rank, microbatch) (``BatchAugment.draw``): the same on CPU and GPU, the same after
+a resume, and the mixing parameters can be redrawn from the labels alone on a last pipeline
+stage that never sees the images. The draws are packed into tensors of fixed shapes
+(``AugmentParams``) and the device function (``BatchAugment.apply``) reads them: no shape, host
+sync or Python branch there depends on a draw, so it can run inside a captured step graph (the
+classification task calls it in its forward; the tensors are graph inputs refilled before each
+replay). The erasing noise is a counter-based hash of a per-image seed and the pixel index, for
+the same reason. Colour ops commute with the warps except at the fill, so applying all
+geometric ops first (inside the crop) and the colour ops after is a close stand-in for timm's
+random op order.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -189,12 +193,43 @@ def _rng(seed: int, key: tuple, stream: int) -> np.random.Generator:
     return np.random.default_rng([int(seed) & 0xFFFFFFFF, stream, *(int(k) for k in key)])
 
 
+class AugmentParams(NamedTuple):
+    """One microbatch's augmentation as drawn on the host (``BatchAugment.draw``): tensors of
+    fixed shapes for a config and micro-batch size, whatever was drawn, so that a step graph
+    takes them as inputs refilled before each replay (``BatchAugment.apply`` reads them)."""
+    mix: torch.Tensor  # [6] float32: mixup lam, 1 - lam (1, 0: none); cutmix rows y0..y1,
+    #                    columns x0..x1 in pixels (empty: none)
+    theta: torch.Tensor  # [b, 2, 3] float32: output -> input coords (crop, flip, warps)
+    ops: torch.Tensor  # [b, slots] int64: each slot's op, a TABLE index (-1: none)
+    mag: torch.Tensor  # [b, slots] float32: its signed magnitude in [-1, 1]
+    erase: torch.Tensor  # [b, 4] int64: erased rows top..bottom, columns left..right (empty: none)
+    # [b] int64: each image's erasing-noise seed (32 bits); last, as it leads with b: the
+    # trainer reads the micro-batch size off a prepared microbatch's last field
+    noise: torch.Tensor
+
+    def to(self, device) -> "AugmentParams":
+        return AugmentParams(*(t.to(device, non_blocking=True) for t in self))
+
+
+def slot_ops(cfg: AugmentConfig) -> tuple:
+    """The colour ops each op slot of ``draw_ops`` can hold under ``cfg`` (geometric ops are
+    folded into the warp): what the device computes for every image of a slot."""
+    colour = tuple(n for n in COLOUR if n != "identity")
+    slots = {"randaugment": (colour,) * cfg.num_ops, "trivialaugment": (colour,),
+             "3augment": (THREE_AUGMENT,)}.get(cfg.auto, ())
+    return slots + ((JITTER,) * len(JITTER) if cfg.color_jitter > 0 else ())
+
+
 class BatchAugment:
+    """Host-side draws (``draw``: numpy, keyed) and the device function (``apply``: fixed
+    shapes, no host sync, no branch on a drawn value), so that a step graph can hold it."""
+
     def __init__(self, cfg: AugmentConfig, image_size: int, num_classes: int,
                  label_smoothing: float = 0.0, seed: int = 0, rank: int = 0):
         cfg.validate()
         self.cfg, self.image_size, self.num_classes = cfg, image_size, num_classes
         self.label_smoothing, self.seed, self.rank = label_smoothing, seed, rank
+        self.slot_ops = slot_ops(cfg)
 
     # ------------------------------------------------------------ parameters (CPU, numpy)
 
@@ -237,34 +272,12 @@ class BatchAugment:
         x0, x1 = max(cx - r / 2, 0.0), min(cx + r / 2, 1.0)
         return lam, (y0, y1, x0, x1)
 
-    # ------------------------------------------------------------ the batch
-
-    def targets(self, labels: torch.Tensor, key: tuple) -> torch.Tensor:
-        """Soft targets [b, classes] (smoothed, mixed) when mixing is on, else the labels."""
-        if not self.cfg.mixes:
-            return labels
-        lam, box = self.mix_params(len(labels), key)
-        if box is not None:
-            lam = self._box_lam(box)
-        n, eps = self.num_classes, self.label_smoothing
-        one = F.one_hot(labels, n).float() * (1 - eps) + eps / n
-        return lam * one + (1 - lam) * one.flip(0)
-
-    def _box_lam(self, box) -> float:
-        s = self.image_size
-        y0, y1, x0, x1 = (round(v * s) for v in box)
-        return 1 - (y1 - y0) * (x1 - x0) / (s * s)
-
-    def images(self, images_uint8: torch.Tensor, key: tuple, device,
-               dtype=torch.float32) -> torch.Tensor:
-        """uint8 [b, H, W, 3] -> augmented, normalized [b, 3, S, S] of ``dtype`` on ``device``."""
-        c, s = self.cfg, self.image_size
-        x = to_device_uint8(images_uint8, device).permute(0, 3, 1, 2).float().div_(255)
-        b = x.shape[0]
+    def draw(self, b: int, key: tuple) -> AugmentParams:
+        """Microbatch ``key``'s parameters for ``b`` images, on the CPU: the same numpy calls in
+        the same order for every config, so a seed gives the same draws on any device."""
         rng = _rng(self.seed, (self.rank, *key), 1)
         w, h, cx, cy, flip = self._crop_params(rng, b)
         ops, mag = self._op_params(rng, b)
-
         # one affine per image: output coords -> (geometric ops) -> crop -> input coords
         theta = np.zeros((b, 3, 3))
         theta[:, 0, 0] = w * np.where(flip, -1.0, 1.0)
@@ -273,36 +286,19 @@ class BatchAugment:
         theta[:, 2, 2] = 1
         for slot in range(ops.shape[1]):
             theta = theta @ self._geometric(ops[:, slot], mag[:, slot])
-        grid = F.affine_grid(torch.as_tensor(theta[:, :2], dtype=torch.float32).to(x.device),
-                             [b, 3, s, s], align_corners=False)
-        # sample x - 0.5 with zero padding: what a warp pulls in from outside is mid-grey
-        x = F.grid_sample(x - 0.5, grid, mode="bilinear", padding_mode="zeros",
-                          align_corners=False).add_(0.5).clamp_(0, 1)
-
-        for slot in range(ops.shape[1]):
-            for k, name in enumerate(TABLE):
-                if name in GEOMETRIC or name == "identity":
-                    continue
-                idx = np.nonzero(ops[:, slot] == k)[0]
-                if len(idx):
-                    i = torch.as_tensor(idx, device=x.device)
-                    m = torch.as_tensor(np.abs(mag[idx, slot]), dtype=x.dtype).to(x.device)
-                    sg = torch.as_tensor(np.sign(mag[idx, slot]), dtype=x.dtype).to(x.device)
-                    x[i] = _colour(name, x[i], m.view(-1, 1, 1, 1), sg.view(-1, 1, 1, 1))
-
-        mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
-        x = (x - mean) / std
-        if c.erase_prob > 0:
-            x = self._erase(x, rng, key)
+        erase, noise = np.zeros((b, 4), np.int64), np.zeros(b, np.int64)
+        if self.cfg.erase_prob > 0:
+            erase = self._erase_rects(rng, b)
+            noise = _rng(self.seed, (self.rank, *key), 3).integers(0, 2**32, b)
         lam, box = self.mix_params(b, key)
-        if lam < 1.0:
-            if box is None:
-                x = x * lam + x.flip(0) * (1 - lam)
-            else:
-                y0, y1, x0, x1 = (round(v * s) for v in box)
-                x[:, :, y0:y1, x0:x1] = x.flip(0)[:, :, y0:y1, x0:x1]
-        return x.to(dtype).contiguous()
+        s = self.image_size
+        y0, y1, x0, x1 = (round(v * s) for v in box) if box is not None else (0, 0, 0, 0)
+        blend = lam if box is None else 1.0
+        mix = torch.tensor([blend, 1 - blend, y0, y1, x0, x1], dtype=torch.float32)
+        return AugmentParams(mix, torch.as_tensor(theta[:, :2], dtype=torch.float32),
+                             torch.as_tensor(ops, dtype=torch.int64),
+                             torch.as_tensor(mag, dtype=torch.float32),
+                             torch.as_tensor(erase), torch.as_tensor(noise, dtype=torch.int64))
 
     def _geometric(self, ops, mag) -> np.ndarray:
         """[b, 3, 3] affine (output -> input, normalized coords) of each image's geometric op."""
@@ -327,9 +323,10 @@ class BatchAugment:
                 a[sel, 1, 2] = 2 * 0.45 * m
         return a
 
-    def _erase(self, x: torch.Tensor, rng, key) -> torch.Tensor:
-        """timm's RandomErasing (area 2-33%, log-aspect 0.3-3.3, per-pixel normal noise)."""
-        b, _, hgt, wid = x.shape
+    def _erase_rects(self, rng, b: int) -> np.ndarray:
+        """timm's RandomErasing (area 2-33%, log-aspect 0.3-3.3): [b, 4] rows top..bottom and
+        columns left..right of each image's rectangle, empty where it erases nothing."""
+        hgt = wid = self.image_size
         area = rng.uniform(0.02, 1 / 3, (b, 10)) * hgt * wid
         logr = rng.uniform(math.log(0.3), math.log(1 / 0.3), (b, 10))
         eh = np.round(np.sqrt(area * np.exp(logr))).astype(int)
@@ -340,18 +337,105 @@ class BatchAugment:
         eh, ew = eh[rows, first], ew[rows, first]
         top = (rng.uniform(0, 1, b) * (hgt - eh + 1)).astype(int)
         left = (rng.uniform(0, 1, b) * (wid - ew + 1)).astype(int)
-        if not do.any():
-            return x
-        dev = x.device
-        t = lambda v: torch.as_tensor(v).to(dev).view(-1, 1, 1, 1)  # noqa: E731
-        yy = torch.arange(hgt, device=dev).view(1, 1, -1, 1)
-        xx = torch.arange(wid, device=dev).view(1, 1, 1, -1)
-        mask = (t(do) & (yy >= t(top)) & (yy < t(top + eh)) & (xx >= t(left))
-                & (xx < t(left + ew)))
-        gen = torch.Generator(device=dev).manual_seed(
-            int(_rng(self.seed, (self.rank, *key), 3).integers(2**62)))
-        noise = torch.randn(x.shape, generator=gen, device=dev, dtype=x.dtype)
-        return torch.where(mask, noise, x)
+        rect = np.stack([top, top + eh, left, left + ew], 1).astype(np.int64)
+        return np.where(do[:, None], rect, 0)
+
+    # ------------------------------------------------------------ the batch
+
+    def targets(self, labels: torch.Tensor, key: tuple) -> torch.Tensor:
+        """Soft targets [b, classes] (smoothed, mixed) when mixing is on, else the labels."""
+        if not self.cfg.mixes:
+            return labels
+        lam, box = self.mix_params(len(labels), key)
+        if box is not None:
+            lam = self._box_lam(box)
+        n, eps = self.num_classes, self.label_smoothing
+        one = F.one_hot(labels, n).float() * (1 - eps) + eps / n
+        return lam * one + (1 - lam) * one.flip(0)
+
+    def _box_lam(self, box) -> float:
+        s = self.image_size
+        y0, y1, x0, x1 = (round(v * s) for v in box)
+        return 1 - (y1 - y0) * (x1 - x0) / (s * s)
+
+    def images(self, images_uint8, key: tuple, device, dtype=torch.float32) -> torch.Tensor:
+        """uint8 [b, H, W, 3] -> augmented, normalized [b, 3, S, S] of ``dtype`` on ``device``:
+        ``draw`` then ``apply``, eagerly."""
+        x = to_device_uint8(images_uint8, device)
+        return self.apply(x, self.draw(x.shape[0], key).to(x.device), dtype)
+
+    def apply(self, images: torch.Tensor, p: AugmentParams,
+              dtype=torch.float32) -> torch.Tensor:
+        """The device function: uint8 [b, H, W, 3] and ``p`` (on the images' device) ->
+        [b, 3, S, S]. Every op runs on the whole batch and ``torch.where`` keeps it for the
+        images that drew it: shapes and kernels depend on the config, never on the draws."""
+        s, b = self.image_size, images.shape[0]
+        x = images.permute(0, 3, 1, 2).float().div_(255)
+        grid = F.affine_grid(p.theta, [b, 3, s, s], align_corners=False)
+        # sample x - 0.5 with zero padding: what a warp pulls in from outside is mid-grey
+        x = F.grid_sample(x - 0.5, grid, mode="bilinear", padding_mode="zeros",
+                          align_corners=False).add_(0.5).clamp_(0, 1)
+        x = self._colours(x, p.ops, p.mag)
+        x = (x - _constant(MEAN, x)) / _constant(STD, x)
+        if self.cfg.erase_prob > 0:
+            x = torch.where(_box_mask(p.erase.view(b, 1, 1, 1, 4), s), _noise(p.noise, x), x)
+        if self.cfg.mixes:
+            partner = x.flip(0)
+            x = x * p.mix[0] + partner * p.mix[1]  # lam 1: x * 1 + partner * 0 = x
+            x = torch.where(_box_mask(p.mix[2:].view(1, 1, 1, 1, 4), s), partner, x)
+        return x.to(dtype).contiguous()
+
+    def _colours(self, x: torch.Tensor, ops: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
+        """Each slot's colour ops in turn, each op on every image, kept where it was drawn."""
+        for slot, names in enumerate(self.slot_ops):
+            for name in names:
+                sel = (ops[:, slot] == TABLE.index(name)).view(-1, 1, 1, 1)
+                # images that did not draw the op get magnitude 1, sign 1: finite, discarded
+                m = torch.where(sel, mag[:, slot].view(-1, 1, 1, 1).abs(), 1.0)
+                sign = torch.where(sel, mag[:, slot].view(-1, 1, 1, 1).sign(), 1.0)
+                x = torch.where(sel, _colour(name, x, m, sign), x)
+        return x
+
+
+def _constant(values: tuple, like: torch.Tensor) -> torch.Tensor:
+    """[1, c, 1, 1] of ``values`` made by fills on ``like``'s device: a host copy would not be
+    capturable."""
+    return torch.stack([torch.full((), v, dtype=like.dtype, device=like.device)
+                        for v in values]).view(1, -1, 1, 1)
+
+
+def _box_mask(box: torch.Tensor, size: int) -> torch.Tensor:
+    """Pixels inside rows box[..., 0]..box[..., 1] and columns box[..., 2]..box[..., 3] of a
+    ``size`` square (box broadcast as [..., 1, 1, 4])."""
+    yy = torch.arange(size, device=box.device).view(size, 1)
+    xx = torch.arange(size, device=box.device).view(1, size)
+    return ((yy >= box[..., 0]) & (yy < box[..., 1]) & (xx >= box[..., 2])
+            & (xx < box[..., 3]))
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _hash32(v: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (values kept below 2**32 in int64: the products stay below 2**63)."""
+    v = ((v >> 16) ^ v) * 0x45D9F3B & MASK32
+    v = ((v >> 16) ^ v) * 0x45D9F3B & MASK32
+    return (v >> 16) ^ v
+
+
+def _noise(seeds: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Standard normal noise shaped as ``like`` [b, ...], a function of each image's seed and
+    the pixel alone (counter-based: no generator state, the same in a graph and on resume).
+    Box-Muller on two 16-bit uniforms a hash gives two values (|z| <= 4.7)."""
+    b, n = like.shape[0], like[0].numel()
+    half = (n + 1) // 2
+    counter = _hash32(torch.arange(half, device=like.device))
+    h = _hash32(counter.view(1, -1) ^ seeds.view(-1, 1))
+    u1 = ((h >> 16) + 1).to(like.dtype) / 65536
+    angle = (h & 0xFFFF).to(like.dtype) * (2 * math.pi / 65536)
+    r = torch.sqrt(-2 * torch.log(u1))
+    z = torch.cat([r * torch.cos(angle), r * torch.sin(angle)], 1)
+    return z[:, :n].reshape(like.shape)
 
 
 def _gray(x):
@@ -372,7 +456,9 @@ def _colour(name: str, x: torch.Tensor, m: torch.Tensor, sign: torch.Tensor) -> 
     if name == "contrast":
         return _blend(x, _gray(x).mean((2, 3), keepdim=True).expand_as(x), factor)
     if name == "sharpness":
-        k = torch.tensor([[1, 1, 1], [1, 5, 1], [1, 1, 1]], dtype=x.dtype, device=x.device) / 13
+        k = torch.ones(3, 3, dtype=x.dtype, device=x.device)  # fills: capturable
+        k[1, 1] = 5
+        k = k / 13
         smooth = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"),
                           k.expand(3, 1, 3, 3).contiguous(), groups=3)
         return _blend(x, smooth, factor)

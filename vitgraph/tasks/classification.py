@@ -1,6 +1,10 @@
 """Image classification: the ViT with a class head, cross-entropy with optional label smoothing
 and mixed (mixup / cutmix) targets, held-out loss and top-1.
 
+A training microbatch with data.augment on is (uint8 images, targets, labels, *AugmentParams):
+``forward`` augments the images first (vitgraph.data.augment.BatchAugment.apply), so a step
+graph holds the augmentation and takes the drawn parameters as inputs.
+
 At native resolution (plan.pack) a microbatch is one pack (vitgraph.data.packing): prepared
 as (x [T, 3 p^2] normalised and augmented, coords, seg, cu_seqlens, labels [M]) on the
 device, the model's output is one row per image slot, and the loss, top-1 and counts are
@@ -16,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph.convert import init_from
-from vitgraph.data.augment import BatchAugment, prepare_batch
+from vitgraph.data.augment import AugmentParams, BatchAugment, prepare_batch
+from vitgraph.data.loader import to_device_uint8
 from vitgraph.data.native import pack_inputs
 from vitgraph.models import packed as pk
 from vitgraph.models.build import build_model
@@ -103,6 +108,8 @@ class ClassificationTask(Task):
         images, labels = raw[0], raw[1]
         # the loss's stage distills: it makes the images too (the same augmentation: keyed)
         distill = self.teacher is not None and key is not None and self.d.is_last_stage
+        if self.augment is not None and key is not None and not distill:
+            return self._prepare_augmented(images, labels, key, device, first_stage)
         # Float16Module casts to bf16 on GPU; keep fp32 here. Targets may come back mixed (soft)
         x, targets = prepare_batch(self.augment, images, labels, key, self.image_size, device,
                                    torch.float32, first_stage or distill)
@@ -110,6 +117,17 @@ class ClassificationTask(Task):
         if not distill:
             return out
         return (*out, self._teacher_logits(x, key))
+
+    def _prepare_augmented(self, images, labels, key, device, first_stage):
+        """(uint8 images, targets, labels, *AugmentParams): the images are augmented by
+        ``forward``, inside the step (a step graph's inputs are these fixed-shape tensors);
+        a later pipeline stage gets (None, targets, labels)."""
+        targets = self.augment.targets(labels, key).to(device, non_blocking=True)
+        out = (None, targets, labels.to(device, non_blocking=True))
+        if not first_stage:
+            return out
+        params = self.augment.draw(len(labels), key).to(device)
+        return (to_device_uint8(images, device), *out[1:], *params)
 
     def _teacher_logits(self, x, key):
         """The teacher's logits of microbatch ``key``: computed once per key on this rank
@@ -125,6 +143,8 @@ class ClassificationTask(Task):
     def forward(self, model, inputs):
         if self.pack is not None:
             return model(*inputs[:4])
+        if len(inputs) > 4:  # uint8 images and their AugmentParams (_prepare_augmented)
+            return model(self.augment.apply(inputs[0], AugmentParams(*inputs[3:])))
         return model(inputs[0])
 
     def loss(self, inputs, output):
@@ -137,7 +157,7 @@ class ClassificationTask(Task):
             # DeiT: with a teacher the class head takes the task's loss and the distillation
             # head the teacher's; otherwise, and for top-1, the heads' average
             predicted = output.mean(dim=1)
-            if len(inputs) > 3:
+            if len(inputs) == 4:
                 output, student = output[:, 0], output[:, 1]
             else:
                 output = predicted
@@ -149,7 +169,7 @@ class ClassificationTask(Task):
         smoothing = 0.0 if targets.is_floating_point() else self.plan.train.label_smoothing
         loss = F.cross_entropy(output, targets, label_smoothing=smoothing, ignore_index=-1)
         correct = ((predicted.argmax(-1) == labels) & valid).sum()
-        if len(inputs) > 3:  # distillation: the teacher's logits of these images
+        if len(inputs) == 4:  # distillation: the teacher's logits of these images
             dt = self.plan.distill
             dl = distill_loss(dt.kind, student, inputs[3], dt.temperature, valid)
             task_loss, loss = loss.detach(), (1 - dt.weight) * loss + dt.weight * dl
