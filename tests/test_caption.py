@@ -154,3 +154,32 @@ def test_eval_writes_caption_loss_perplexity_and_class_word_accuracy(trained, ca
     written = json.loads((run / "eval-20.json").read_text())
     for key in ("eval_caption_loss", "eval_perplexity", "eval_class_word_accuracy"):
         assert written[key] == pytest.approx(metrics[key], rel=1e-5), key
+
+
+def test_layer_graphs_of_both_models_give_the_eager_loss_and_gradients(dist1):
+    """The tower's and the language model's layers graphed (the CPU rerun backend: the
+    bookkeeping of capture and replay) give eager's loss and gradients, at capture and at
+    replay."""
+    from vitgraph.graphs import GraphManager, RerunBackend
+    task, eager = task_and_model(dist1)
+    _, graphed = task_and_model(dist1)  # the same seed: the same weights
+    for a, b in zip(eager.parameters(), graphed.parameters()):
+        assert torch.equal(a, b)
+    mgr = GraphManager.for_model([graphed], {"enabled": True, "warmup_steps": 0},
+                                 backend=RerunBackend())
+    assert len(mgr.layers) == 4 + 2  # the tower's and the GPT's TransformerLayers
+    tokens = task.tokenizer(CAPTIONS)
+    labels = torch.tensor([4, 7, 0])
+    for step in range(2):
+        images = torch.randn(3, 3, 32, 32)
+        mgr.step_begin(step)
+        losses = []
+        for model in (eager, graphed):
+            model.zero_grad()
+            loss, _ = task.loss((images, tokens, labels), model(images, tokens))
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+        for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+    assert mgr.stats()["replays"] > 0
