@@ -87,6 +87,14 @@ def test_greedy_generation_gives_ids_that_decode(dist1):
         if tok.eot_id in row:  # nothing but padding after the end of text
             assert all(i == tok.pad_id for i in row[row.index(tok.eot_id) + 1:])
         assert isinstance(tok.decode(row), str)
+    # each token is the argmax of the logits after the ids before it (the loop's short
+    # prefixes give the full sequence's logits: the mask is causal)
+    images = torch.randn(2, 3, 32, 32)
+    ids = model.generate(images, tok.sot_id, tok.eot_id, 6, tok.pad_id)
+    with torch.no_grad():
+        want = model(images, ids).argmax(-1)[:, :-1]
+    keep = text_targets(ids, tok.eot_id, IGNORE) != IGNORE  # up to and with EOS
+    assert torch.equal(ids[:, 1:][keep], want[keep])
 
 
 def test_class_word_is_the_first_shape_named():

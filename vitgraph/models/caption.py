@@ -11,10 +11,10 @@ tower (registry, init, packing), and ``CLIPViTModel`` calls ``.cuda()``; its
 has one image in front of its text: the sequence is a concatenation.
 
 The language model runs as ``GPTModel.forward`` does (embedding, decoder, final norm, output
-layer) except that the output layer sees only the text positions: with CLIP's BPE (49,408 ids)
-and 65 image tokens before 12 text positions, projecting every position onto the vocabulary
-cost 6x the output layer's work for logits nobody reads. ``tests/test_caption.py`` checks the
-logits against ``GPTModel.forward``'s.
+layer) except that the output layer sees only the text positions: with CLIP's BPE (49,408
+ids), 65 image tokens and 10 text positions, projecting every position onto the vocabulary
+costs 7.5x the output layer's work for logits nobody reads. ``tests/test_caption.py`` checks
+the logits against ``GPTModel.forward``'s.
 
 Not yet: packed (native-resolution) images and the LM sequence in thd, tp / pp, a KV cache.
 """
@@ -88,15 +88,15 @@ class CaptionModel(MegatronModule):
     def generate(self, images: torch.Tensor, bos: int, eos: int, length: int,
                  pad: int = 0) -> torch.Tensor:
         """Greedy captions, int64 [b, length]: BOS, then the argmax token until EOS or the
-        budget; padding after EOS. Eager, the whole text again at each position (no KV
-        cache: a dozen positions)."""
+        budget; padding after EOS. Eager, the image and the text so far again at each
+        position (no KV cache: the captions are a few dozen positions at most)."""
         image = self.image_tokens(images)
         b = images.shape[0]
         out = torch.full((b, length), pad, dtype=torch.long, device=images.device)
         out[:, 0] = bos
         done = torch.zeros(b, dtype=torch.bool, device=images.device)
         for i in range(length - 1):
-            nxt = self.text_logits(image, out, at=i)[:, 0].argmax(-1)
+            nxt = self.text_logits(image, out[:, :i + 1], at=i)[:, 0].argmax(-1)
             out[:, i + 1] = torch.where(done, pad, nxt)
             done |= nxt == eos
             if bool(done.all()):
