@@ -444,8 +444,10 @@ def _validate_parallel(p: ParallelConfig, err) -> None:
 class TaskConfig:
     # classification: a ViT with a class head on labelled images. contrastive: an image-text
     # pair (CLIP / SigLIP; model.name from the image-text registry, `vitgraph models`) on
-    # captioned images, with zero-shot and retrieval eval. auto: contrastive for those names
-    kind: str = key("auto", choices=("auto", "classification", "contrastive"))
+    # captioned images, with zero-shot and retrieval eval. caption: the ViT inside a VLM (a
+    # projector and a GPT language model, the lm: section) trained by next-token loss on the
+    # captions (docs/vlm.md). auto: contrastive for those names
+    kind: str = key("auto", choices=("auto", "classification", "contrastive", "caption"))
     # contrastive: clip (InfoNCE, learnable scale) | siglip (sigmoid, learnable scale and bias)
     # | auto (siglip when the model has a logit bias)
     loss: str = key("auto", choices=("auto", "clip", "siglip"))
@@ -464,6 +466,26 @@ class TaskConfig:
     templates: Optional[list] = key(
         None, check=lambda v, _: bool(v) and all(isinstance(x, str) and "{}" in x for x in v),
         why='a non-empty list of prompts, each with "{}" for the class name')
+
+
+@dataclass
+class LMConfig:
+    """task.kind=caption: the language model (megatron-core's GPTModel: causal, learned
+    positions) and the projector between it and the vision tower (model:)."""
+    num_layers: int = key(2, above=0)
+    hidden_size: int = key(64, above=0)
+    num_heads: int = key(4, above=0)
+    ffn_hidden_size: Optional[int] = key(None, above=0)  # null: 4 x hidden_size
+    init_std: float = key(0.02, above=0)
+    # text positions: BOS, the caption, EOS, padding; longer captions are cut, keeping EOS
+    text_length: int = key(16, min=3)
+    # bpe (OpenAI CLIP's BPE, 49,408 ids) | byte (vitgraph's byte-level ids, 259); the
+    # vocabulary is the tokenizer's
+    tokenizer: str = key("bpe", choices=("bpe", "byte"))
+    # megatron-core's MultimodalProjector: mlp (two linears, GELU) | affine (one linear)
+    projector: str = key("mlp", choices=("mlp", "affine"))
+    freeze_tower: bool = False  # the vision tower gets no gradient and no optimizer state
+    freeze_lm: bool = False  # the language model likewise (the projector always trains)
 
 
 def task_kind(cfg: "Config") -> str:
@@ -494,6 +516,7 @@ class RunConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    lm: LMConfig = field(default_factory=LMConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -849,11 +872,41 @@ def _validate_layout(cfg: Config, arch, err) -> None:
                                      "graphs in another order than they were captured (use auto)")
 
 
+def _validate_caption(cfg: Config, err) -> None:
+    """task.kind=caption: what is built so far (docs/vlm.md)."""
+    m, p, lm = cfg.model, cfg.parallel, cfg.lm
+    if m.name in CLIP_MODELS:
+        err("model.name", m.name, "task.kind=caption takes a vision tower from the ViT "
+            "registry (`vitgraph models`), not an image-text pair")
+    for name, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
+        if value > 1:
+            err(name, value, "task.kind=caption runs at tp=1, pp=1 for now (dp only)")
+    if cfg.data.resolution != "fixed":
+        err("data.resolution", cfg.data.resolution, "task.kind=caption takes fixed-size "
+            "images for now")
+    if lm.hidden_size % lm.num_heads:
+        err("lm.num_heads", lm.num_heads, f"lm.hidden_size={lm.hidden_size} is not "
+            "divisible by it")
+    if lm.tokenizer == "bpe" and available():
+        err("lm.tokenizer", "bpe", f"CLIP's BPE needs {available()}; or use lm.tokenizer=byte")
+    if lm.freeze_tower and lm.freeze_lm:
+        err("lm.freeze_lm", True, "with lm.freeze_tower only the projector would train: "
+            "freeze one of them at most")
+    if cfg.data.augment.mixes:
+        err("data.augment.mixup_alpha", cfg.data.augment.mixup_alpha, "mixup / cutmix mix "
+            "class labels; captions have none to mix: set data.augment.mixup_alpha=0 "
+            "cutmix_alpha=0")
+    if cfg.data.caption_dropout:
+        err("data.caption_dropout", cfg.data.caption_dropout, "task.kind=contrastive only")
+
+
 def _validate_task(cfg: Config, err) -> None:
     """What the task kind asks of the model, the data and the other keys."""
     kind = task_kind(cfg)
     if kind == "contrastive":
         _validate_contrastive(cfg, err)
+    elif kind == "caption":
+        _validate_caption(cfg, err)
     elif cfg.model.name in CLIP_MODELS:
         err("task.kind", cfg.task.kind, f"model.name={cfg.model.name!r} is an image-text pair: "
                                         "train it with task.kind=contrastive (or auto)")

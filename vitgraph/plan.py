@@ -26,12 +26,14 @@ from vitgraph.data import DataError, native_size_sample, pack_fill, pack_spec, s
 from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple, use_fused_norm
+from vitgraph.models.caption import LANGUAGE_MODEL, TOWER
 from vitgraph.models.clip import IMAGE_TOWER
 from vitgraph.models.registry import (CLIPArch, ViTArch, resolve_arch, resolve_clip_arch,
                                       resolve_pos_interp)
 from vitgraph.models.specs import THD_HEAD_DIMS, resolve_spec
 from vitgraph.models.vit import sequence_length
-from vitgraph.text import tokenizer_kind
+from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
+from vitgraph.text.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,21 @@ class Contrastive:
     tokenizer: str  # byte | bpe
     templates: tuple | None  # zero-shot prompts (None: vitgraph.tasks.contrastive_metrics')
     lock_image: bool
+
+
+@dataclass(frozen=True)
+class Caption:
+    """The lm: section of a caption run, resolved (vitgraph.tasks.caption,
+    vitgraph.models.caption): the language model's sizes, its tokenizer and vocabulary."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    ffn_hidden_size: int
+    init_std: float
+    text_length: int  # text positions: BOS, caption, EOS, padding
+    tokenizer: str  # bpe | byte
+    vocab_size: int  # the tokenizer's
+    projector: str  # mlp | affine
 
 
 @dataclass(frozen=True)
@@ -56,7 +73,7 @@ class PackLayout:
 
 @dataclass(frozen=True)
 class Plan:
-    task: str  # classification | contrastive
+    task: str  # classification | contrastive | caption
     arch: ViTArch  # the image encoder (an image-text pair's image tower)
     pair: CLIPArch | None  # the image-text pair of a contrastive run, else None
     spec: str  # the layers: te | torch
@@ -85,6 +102,7 @@ class Plan:
     ema: EMAConfig | None  # train.ema; None: no EMA of the weights
     distill: DistillConfig | None  # train.distill; None: no teacher
     contrastive: Contrastive | None  # an image-text run's task settings
+    caption: Caption | None  # a caption run's language model (task.kind=caption)
     # the sections the builders read as written
     model: ModelConfig
     data: DataConfig
@@ -179,6 +197,7 @@ def resolve(cfg: Config, world_size: int) -> Plan:
                 recompute=recompute, fsdp=p.fsdp,
                 freeze=freeze, ema=t.ema if t.ema.decay is not None else None,
                 distill=t.distill if t.distill.teacher else None, contrastive=contrastive,
+                caption=resolve_caption(cfg) if kind == "caption" else None,
                 model=m, data=cfg.data, optim=cfg.optim, train=t, parallel=p,
                 checkpoint=cfg.checkpoint, run_dir=cfg.run_dir)
 
@@ -259,12 +278,27 @@ def resolve_pack(cfg: Config, arch: ViTArch, prefix: int, spec: str
     return choose_layout(packed, padded, float(tokens.mean()), fill, path, len(sizes))
 
 
+def resolve_caption(cfg: Config) -> Caption:
+    lm = cfg.lm
+    return Caption(num_layers=lm.num_layers, hidden_size=lm.hidden_size,
+                   num_heads=lm.num_heads, ffn_hidden_size=lm.ffn_hidden_size or 4 * lm.hidden_size,
+                   init_std=lm.init_std, text_length=lm.text_length, tokenizer=lm.tokenizer,
+                   vocab_size=BPE_VOCAB_SIZE if lm.tokenizer == "bpe" else BYTE_VOCAB_SIZE,
+                   projector=lm.projector)
+
+
 def freeze_rules(cfg: Config) -> tuple:
     """(config key, fnmatch pattern) pairs of what a run leaves out of training:
-    model.freeze, and task.lock_image's image tower (vitgraph.models.clip.IMAGE_TOWER)."""
+    model.freeze, task.lock_image's image tower (vitgraph.models.clip.IMAGE_TOWER), and a
+    caption run's lm.freeze_tower / lm.freeze_lm (vitgraph.models.caption)."""
     rules = [("model.freeze", pat) for pat in cfg.model.freeze or ()]
     if cfg.task.lock_image:
         rules.append(("task.lock_image", IMAGE_TOWER))
+    if task_kind(cfg) == "caption":
+        if cfg.lm.freeze_tower:
+            rules.append(("lm.freeze_tower", TOWER))
+        if cfg.lm.freeze_lm:
+            rules.append(("lm.freeze_lm", LANGUAGE_MODEL))
     return tuple(rules)
 
 

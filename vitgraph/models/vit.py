@@ -17,7 +17,8 @@ after the embedding (OpenAI CLIP / open_clip), ``head="proj"`` replaces the clas
 bias-free projection to the embedding width (``proj``), and ``patch_bias=False`` drops the patch
 embedding's bias as OpenAI CLIP does; ``head="map"`` pools the patch tokens by attention to a
 learned query (SigLIP's multihead attention pooling, ``attn_pool``) and returns the width
-itself. CLIP's ``ln_post`` is ``final_norm``: it normalises every token before pooling, which
+itself; ``head="none"`` stops at the final norm (a VLM's tower reads ``forward_features``'
+tokens, vitgraph.models.caption). CLIP's ``ln_post`` is ``final_norm``: it normalises every token before pooling, which
 for the class token is the same as normalising the pooled token. The defaults build the
 classifier unchanged.
 
@@ -350,8 +351,8 @@ class ViT(MegatronModule):
 
 def _check_head(head: str, pool: str, embed_dim: int | None, class_token: bool,
                 distill_token: bool) -> None:
-    if head not in ("classifier", "proj", "map"):
-        raise ValueError(f"head={head!r}: classifier | proj | map")
+    if head not in ("classifier", "proj", "map", "none"):
+        raise ValueError(f"head={head!r}: classifier | proj | map | none")
     if head == "proj" and not embed_dim:
         raise ValueError("head='proj' needs embed_dim (the joint embedding width)")
     if distill_token and (not class_token or pool != "cls" or head != "classifier"):

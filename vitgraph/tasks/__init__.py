@@ -1,6 +1,7 @@
 """What the one training loop trains: a task supplies the model, the batch and the loss
 (base.py has the interface)."""
 from vitgraph.tasks.base import Task
+from vitgraph.tasks.caption import CaptionTask
 from vitgraph.tasks.classification import ClassificationTask
 from vitgraph.tasks.contrastive import ContrastiveTask
 
@@ -10,7 +11,9 @@ def make_task(plan, d, total_steps: int | None = None) -> Task:
     of ``total_steps`` (None: evaluation only)."""
     if plan.task == "classification":
         return ClassificationTask(plan, d, total_steps)
+    if plan.task == "caption":
+        return CaptionTask(plan, d, total_steps)
     return ContrastiveTask(plan, d, total_steps)
 
 
-__all__ = ["ClassificationTask", "ContrastiveTask", "Task", "make_task"]
+__all__ = ["CaptionTask", "ClassificationTask", "ContrastiveTask", "Task", "make_task"]
