@@ -18,9 +18,9 @@ bias-free projection to the embedding width (``proj``), and ``patch_bias=False``
 embedding's bias as OpenAI CLIP does; ``head="map"`` pools the patch tokens by attention to a
 learned query (SigLIP's multihead attention pooling, ``attn_pool``) and returns the width
 itself; ``head="none"`` stops at the final norm (a VLM's tower reads ``forward_features``'
-tokens, vitgraph.models.caption). CLIP's ``ln_post`` is ``final_norm``: it normalises every token before pooling, which
-for the class token is the same as normalising the pooled token. The defaults build the
-classifier unchanged.
+tokens, vitgraph.models.caption). CLIP's ``ln_post`` is ``final_norm``: it normalises every
+token before pooling, which for the class token is the same as normalising the pooled token.
+The defaults build the classifier unchanged.
 
 DeiT's distillation token (``distill_token``): a second prefix token after the class token
 (then the registers) with its own classifier, ``head_dist``; the output is then both heads'
