@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from vitgraph.data import DataError
 from vitgraph.parallel.dist import Dist
 from vitgraph.plan import Plan
 
@@ -78,6 +79,15 @@ class Task:
 
     def eval_metrics(self, outputs: list[dict], chunks: list) -> dict:  # pragma: no cover
         raise NotImplementedError
+
+
+def require_captions(plan: Plan, train_set, val_set) -> None:
+    """A data error unless both sets carry captions (the image-text tasks)."""
+    for name, ds in (("training", train_set), ("held-out", val_set)):
+        if ds.captions is None:
+            raise DataError(f"data.kind={plan.data.kind}: the {name} images have no "
+                            f"captions; task.kind={plan.task} needs image-text pairs (the "
+                            "shapes data or WebDataset jpg+txt shards)")
 
 
 def reduce_stats(stats: torch.Tensor, d: Dist) -> torch.Tensor:

@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from vitgraph.convert import init_from
-from vitgraph.data import DataError
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models.build import transformer_config
 from vitgraph.models.caption import build_caption
 from vitgraph.models.vit import unwrap, vit_flops_per_image
-from vitgraph.tasks.base import Task, reduce_stats, stats
+from vitgraph.tasks.base import Task, reduce_stats, require_captions, stats
 from vitgraph.text import make_tokenizer
 
 log = logging.getLogger("vitgraph")
@@ -65,11 +64,8 @@ class CaptionTask(Task):
         super().attach(train_set, val_set)
         self.tokenizer = make_tokenizer(self.lm.tokenizer, self.lm.vocab_size,
                                         self.lm.text_length)
-        for name, ds in (("training", train_set), ("held-out", val_set)):
-            if ds.captions is None:
-                raise DataError(f"data.kind={self.plan.data.kind}: the {name} images have no "
-                                "captions; task.kind=caption needs image-text pairs (the "
-                                "shapes data or WebDataset jpg+txt shards)")
+        require_captions(self.plan, train_set, val_set)
+        for ds in (train_set, val_set):
             if ds.tokens is None or ds.tokens.shape[-1] != self.lm.text_length:
                 ds.tokens = self.tokenizer(ds.captions)
         # a name as generated text spells it ("L-shape" comes back from BPE as "l - shape")

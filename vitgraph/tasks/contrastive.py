@@ -28,12 +28,11 @@ from megatron.core import parallel_state as ps
 
 from vitgraph.convert import init_from
 from vitgraph.data.augment import BatchAugment, prepare_batch
-from vitgraph.data import DataError
 from vitgraph.models import packed as pk
 from vitgraph.models.build import transformer_config
 from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
 from vitgraph.models.vit import unwrap
-from vitgraph.tasks.base import Task, stats
+from vitgraph.tasks.base import Task, require_captions, stats
 from vitgraph.tasks.classification import prepare_pack
 from vitgraph.tasks.contrastive_loss import clip_loss, siglip_loss
 from vitgraph.tasks.contrastive_metrics import (TEMPLATES, class_embeddings, retrieval_recall,
@@ -94,11 +93,8 @@ class ContrastiveTask(Task):
         self.tokenizer = make_tokenizer(self.plan.contrastive.tokenizer,
                                         self.arch.text.vocab_size, self.context_length)
         self.classes = list(val_set.classes)
-        for name, ds in (("training", train_set), ("held-out", val_set)):
-            if ds.captions is None:
-                raise DataError(f"data.kind={self.plan.data.kind}: the {name} images have no "
-                                "captions; task.kind=contrastive needs image-text pairs (the "
-                                "shapes data or WebDataset jpg+txt shards)")
+        require_captions(self.plan, train_set, val_set)
+        for ds in (train_set, val_set):
             if ds.tokens is None and ds.caption_variants is not None:
                 n = len(ds.caption_variants[0])
                 ds.tokens = torch.stack([self.tokenizer([v[i] for v in ds.caption_variants])
