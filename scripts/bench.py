@@ -71,6 +71,7 @@ Rows report ``images_per_s``, ``real_tokens_per_s`` (patch tokens of real images
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -550,6 +551,7 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     data.packing.layout=padded), as ``system`` (NATIVE_SYSTEMS) says. Its microbatches, made
     from the stream beforehand, are on the device as the loader's prefetcher hands them over."""
     from vitgraph.config import load_config
+    from vitgraph.data import images_per_pack
     from vitgraph.data.packing import PackSpec, assemble
     from vitgraph.train.loop import Trainer
     attention, impl, scope = NATIVE_SYSTEMS[system]
@@ -573,11 +575,14 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     from vitgraph.models.registry import resolve_arch
     prefix = int(probe.model.class_token) + probe.model.num_registers
     patch = resolve_arch(probe.model).patch_size
-    slots = padded_images if padded else max_images
     tokens = padded_images * (prefix + max_patches) if padded else pack_tokens
-    spec = PackSpec(tokens=tokens, max_images=slots, max_patches=max_patches, num_prefix=prefix,
-                    patch_size=patch, padded=padded)
+    spec = PackSpec(tokens=tokens, max_images=padded_images if padded else max_images or 1,
+                    max_patches=max_patches, num_prefix=prefix, patch_size=patch, padded=padded)
     dp = _world() // (probe.parallel.tp * probe.parallel.pp)
+    if not padded and not max_images:  # as data.packing.max_images=0 resolves it, on the stream
+        spec = dataclasses.replace(spec, max_images=images_per_pack(
+            [spec.image_tokens(g) for g in grids], spec, k * dp))
+    slots = spec.max_images
     over += [f"data.packing.tokens_per_microbatch={tokens}", f"data.packing.max_images={slots}",
              f"train.global_batch_size={k * dp}"]
     cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
@@ -1019,7 +1024,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="--native: the stream's seed")
     ap.add_argument("--pack-tokens", type=int, default=16384,
                     help="--native: tokens of a pack (data.packing.tokens_per_microbatch)")
-    ap.add_argument("--max-images", type=int, default=64, help="--native: images in a pack")
+    ap.add_argument("--max-images", type=int, default=0,
+                    help="--native: images in a pack at most (0: as data.packing.max_images=0 "
+                         "resolves it, from the stream's sizes)")
     ap.add_argument("--packs-per-step", type=int, default=4,
                     help="--native: packs (microbatches) per step and data-parallel rank")
     ap.add_argument("--timm-batch", type=int, default=64,

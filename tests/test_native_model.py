@@ -262,35 +262,65 @@ def test_plan_carries_the_pack_and_never_pads_it(dist1):
 
 def test_auto_layout_rule_on_the_measured_cases():
     """data.packing.layout=auto on the bench's stream (benchmarks/BENCHMARKS.md): images of
-    ~230 tokens (256 patches at most) and ~422 (576) in 16,384-token packs of at most 64
-    images, or 64 slots: padded where it won (SO400M/16 and ViT-B/16 at 256, where max_images
-    holds packs to 90% full), packed where it did (576); with room for more images a pack,
-    the attention path decides."""
-    from vitgraph.data.native import pack_fill
+    ~231 tokens (256 patches at most) and ~431 (576) in 16,384-token packs or 64 slots. With
+    max_images=0's count (images_per_pack) packs won at both, and auto packs; at most 64 images
+    held packs to 90% full at 256, where padded won, and auto pads."""
+    from vitgraph.data.native import images_per_pack, pack_fill
     from vitgraph.plan import choose_layout, packed_path
 
-    def choose(max_patches, mean, path, max_images=64):
-        packed = PackSpec(16384, max_images, max_patches, 1, 16)
-        padded = PackSpec(64 * (1 + max_patches), 64, max_patches, 1, 16, padded=True)
+    def choose(max_patches, mean, path, max_images=0):
         # images of two sizes, ``mean`` tokens on average
         tokens = np.array([round(mean) - 40, round(mean) + 40] * 256)
+        packed = PackSpec(16384, max_images or 1, max_patches, 1, 16)
+        if not max_images:
+            packed = dataclasses.replace(packed, max_images=images_per_pack(tokens, packed, 4))
+        padded = PackSpec(64 * (1 + max_patches), 64, max_patches, 1, 16, padded=True)
         fill = pack_fill(tokens, packed, 4)
         spec, why = choose_layout(packed, padded, mean, fill, path, 512)
         assert spec is (padded if why.name == "padded" else packed)
-        return why
+        return why, packed.max_images
 
     assert (packed_path("te", 72), packed_path("te", 64), packed_path("te", 128),
             packed_path("torch", 64)) == ("slots", "thd", "thd", "torch")
-    so400m = choose(256, 230.0, "slots")
-    assert so400m.name == "padded" and so400m.reason == (
-        "data.packing.layout=auto: padded: an image costs 257 tokens in a padded slot, ~268.8 "
-        "in a pack (mean 230.0 tokens over 512 sampled images / fill 0.898 x 1.05 for slots "
+    so400m, m = choose(256, 231.0, "slots")
+    assert 72 <= m <= 96 and so400m.name == "packed", so400m.reason
+    assert choose(256, 231.0, "thd")[0].name == "packed"
+    held, _ = choose(256, 231.0, "slots", max_images=64)  # 256 tokens an image
+    assert held.name == "padded" and held.reason == (
+        "data.packing.layout=auto: padded: an image costs 257 tokens in a padded slot, ~263.7 "
+        "in a pack (mean 231.0 tokens over 512 sampled images / fill 0.902 x 1.03 for slots "
         "attention)")
-    assert choose(256, 230.0, "thd").name == "padded"  # max_images binds: 256 tokens an image
-    assert choose(576, 422.0, "slots").name == "packed"
-    assert choose(576, 422.0, "thd").name == "packed"
-    assert choose(256, 246.0, "thd", max_images=128).name == "packed"
-    assert choose(256, 246.0, "slots", max_images=128).name == "padded"
+    assert choose(256, 231.0, "thd", max_images=64)[0].name == "padded"
+    assert choose(576, 431.0, "slots")[0].name == "packed"
+    assert choose(576, 431.0, "thd", max_images=64)[0].name == "packed"
+    # images that nearly fill a slot: padded whatever a pack holds
+    assert choose(256, 250.0, "thd")[0].name == "padded"
+
+
+def test_max_images_zero_lets_tokens_end_a_pack(dist1):
+    """data.packing.max_images=0 (the default) resolves to the count at which packs of the
+    sampled sizes fill as they would with no limit (a multiple of 8, logged with the layout);
+    a count written in the config is kept; with no sample, images of half max_patches."""
+    from vitgraph.config import PackingConfig
+    from vitgraph.data.native import images_per_pack, pack_fill
+    from vitgraph.plan import resolve, resolve_max_images
+    auto = resolve(native_config("vit-tiny-shapes.yaml", "data.packing.max_images=0",
+                                 "data.packing.tokens_per_microbatch=960"), dist1.world)
+    m = auto.pack.max_images
+    assert m % 8 == 0 and "data.packing.max_images=0: " in auto.pack_layout.reason
+    kept = resolve(native_config("vit-tiny-shapes.yaml", f"data.packing.max_images={m - 3}",
+                                 "data.packing.tokens_per_microbatch=960"), dist1.world)
+    assert kept.pack.max_images == m - 3 and "max_images" not in kept.pack_layout.reason
+    k = PackingConfig(max_patches=256, tokens_per_microbatch=16384)
+    assert resolve_max_images(k, None, 16, 1, 4)[0].max_images == 128  # 2 * 16384 / 257
+    # the count leaves packs as full as no limit does, a lower one does not
+    tokens = np.random.default_rng(0).integers(60, 258, 512)
+    spec = PackSpec(16384, 1, 256, 1, 16)
+    m = images_per_pack(tokens, spec, 4)
+
+    def fill(n):
+        return pack_fill(tokens, dataclasses.replace(spec, max_images=n), 4)
+    assert fill(m) >= fill(4 * m) - 0.002 > fill(m - 16)
 
 
 def test_auto_layout_of_a_config_and_an_explicit_one_wins(dist1):

@@ -127,7 +127,10 @@ class PackingConfig:
     # a pack's tokens: images (their class token and registers included) back to back, the
     # rest padding. A multiple of 16 for FP8 and of tp with sequence parallel
     tokens_per_microbatch: int = key(4096, above=0)
-    max_images: int = key(64, above=0)  # images in one pack at most
+    # images in one pack at most; 0: as many as let tokens, not the count, end a pack of the
+    # training images' sizes (a sample; vitgraph/plan.py, the choice in the log). At most 64
+    # images in 16,384 tokens left SO400M/16's packs of ~231-token images 90% full
+    max_images: int = key(0, min=0)
     # images the packer looks ahead over when filling a step's packs (0: all of a step's
     # packs' worth, max_images each); more fills packs better, fewer keeps the order closer
     window: int = key(0, min=0)
@@ -137,7 +140,7 @@ class PackingConfig:
     # max_len) slots a microbatch, padding masked out of attention; auto: the one that costs
     # fewer tokens per image, estimated from a sample of the data's image sizes and the
     # model's attention path (vitgraph/plan.py; the choice and why are in the log). Padded
-    # wins where the images nearly fill a slot: SO400M/16 at 256 patches, 1.06x packed
+    # wins where the images nearly fill a slot
     layout: str = key("auto", choices=("auto", "packed", "padded"))
 
 

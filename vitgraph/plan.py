@@ -14,15 +14,18 @@ the registry's architectures); ``vitgraph.models`` knows the plan only by the fi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vitgraph.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistillConfig,
-                             EMAConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
-                             check_layout, graph_constraints, padded_constraints, task_kind)
-from vitgraph.data import DataError, native_size_sample, pack_fill, pack_spec, size_tokens
+                             EMAConfig, ModelConfig, OptimConfig, PackingConfig, ParallelConfig,
+                             TrainConfig, check_layout, graph_constraints, padded_constraints,
+                             task_kind)
+from vitgraph.data import (DataError, images_per_pack, native_size_sample, pack_fill, pack_spec,
+                           size_tokens)
 from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple, use_fused_norm
@@ -204,20 +207,18 @@ def resolve(cfg: Config, world_size: int) -> Plan:
 
 # data.packing.layout=auto. Per image, padded slots compute max_len tokens; packs compute its
 # mean tokens / the packs' fill (the packer run on the sample) times 1 + the packed path's
-# extra cost per token; padded where it costs no more. One H200, bf16, step graphs,
-# 16,384-token packs of at most 64 images against 64 slots (benchmarks/BENCHMARKS.md, "Native
-# resolution"): at 256 patches the stream's images fill 90% of a slot and max_images held the
-# packs to the slots' 256 tokens an image, where SO400M/16 (head dim 72: slots) ran 146.4k real
-# tokens/s packed against 147.3k padded (+1% a token packed; +6% before the one-pass row
-# gather of 36360d9) and ViT-B/16 (head dim 64: thd) 603.0k against 605.8k (+1%); at 576
-# patches (73% of a slot) packs won, SO400M 145.1k against 125.0k and ViT-B 621.0k against
-# 531.5k (+27% and +17% a token, far from even). The torch
-# spec on 2 shared CPU cores, the tiny native demo (54 tokens an image, 65 a slot): level
-# within the noise, packed / padded time per image 0.96-1.03 over four runs, +15-23% a token.
-# The constants put each of these on the side it was measured on (the demo: packs, by ~2%).
+# extra cost per token; padded where it costs no more. One H200, bf16, step graphs, the bench's
+# stream (benchmarks/BENCHMARKS.md, "Native resolution"), 256 patches at most (images of ~231
+# tokens fill 90% of a 257-token slot): 16,384-token packs of up to 80-96 images (99.8% full)
+# against 64 slots ran SO400M/16 (head dim 72: slots) 158.3k real tokens/s against 147.3k and
+# ViT-B/16 (head dim 64: thd) 645.8k against 608.6k, for 11% fewer tokens: +3% and +5% a
+# token packed (native-so400m16-256-m96.json, native-b16-256-m96.json). The torch spec on 2
+# shared CPU cores, the tiny native demo (54 tokens an image, 65 a slot): level within the
+# noise, packed / padded time per image 0.96-1.03 over four runs, +15-23% a token. The
+# constants put each of these on the side it was measured on (the demo: packs, by ~2%).
 PACKED_OVERHEAD = {
-    "thd": 0.02,  # TE's ragged (thd) attention, at the head dims THD_HEAD_DIMS
-    "slots": 0.05,  # TE at other head dims: a pack's rows gathered into slots and back
+    "thd": 0.05,  # TE's ragged (thd) attention, at the head dims THD_HEAD_DIMS
+    "slots": 0.03,  # TE at other head dims: a pack's rows gathered into slots and back
     "torch": 0.17,  # the torch spec's SDPAttention: slots too
 }
 
@@ -252,30 +253,57 @@ def resolve_pack(cfg: Config, arch: ViTArch, prefix: int, spec: str
     """The PackSpec of a native-resolution run's microbatches (data loader and model) and its
     layout: data.packing.layout as written, or auto's choice (``choose_layout``) from a sample
     of the training set's image sizes (vitgraph.data.native_size_sample); packed where padded
-    slots cannot run or the sizes cannot be had cheaply."""
+    slots cannot run or the sizes cannot be had cheaply. data.packing.max_images=0 resolved
+    from the same sample (``resolve_max_images``)."""
     k = cfg.data.packing
+    sizes, unread = None, ""
+    if k.layout == "auto" or not k.max_images:
+        try:
+            sizes = native_size_sample(cfg.data, cfg.train.seed)
+        except DataError as e:
+            unread = str(e)
+    k, images = resolve_max_images(k, sizes, arch.patch_size, prefix,
+                                   cfg.train.global_batch_size)
     packed = pack_spec(k, arch.patch_size, prefix)
     if k.layout == "packed":
-        return packed, PackLayout("packed", "data.packing.layout=packed in the config")
+        return packed, PackLayout("packed", "data.packing.layout=packed in the config" + images)
     try:
         padded = pack_spec(k, arch.patch_size, prefix, padded=True, **padded_constraints(cfg))
     except ValueError as e:
         if k.layout == "padded":  # config validation says so first
             raise ConfigError(f"data.packing.layout=padded: {e}") from None
         return packed, PackLayout("packed", f"data.packing.layout=auto: packed: no padded slots "
-                                            f"({e})")
+                                            f"({e})" + images)
     if k.layout == "padded":
         return padded, PackLayout("padded", "data.packing.layout=padded in the config")
-    try:
-        sizes = native_size_sample(cfg.data, cfg.train.seed)
-    except DataError as e:
+    if sizes is None:
         return packed, PackLayout("packed", f"data.packing.layout=auto: packed: the images' "
-                                            f"sizes are not to be had cheaply ({e})")
+                                            f"sizes are not to be had cheaply ({unread})" + images)
     tokens = size_tokens(sizes, packed)
     # with micro-batches of one pack, the global batch counts a step's packs
     fill = pack_fill(tokens, packed, cfg.train.global_batch_size, k.window)
     path = packed_path(spec, arch.hidden_size // arch.num_heads)
-    return choose_layout(packed, padded, float(tokens.mean()), fill, path, len(sizes))
+    chosen, layout = choose_layout(packed, padded, float(tokens.mean()), fill, path, len(sizes))
+    return chosen, PackLayout(layout.name, layout.reason + ("" if chosen.padded else images))
+
+
+def resolve_max_images(k: PackingConfig, sizes, patch_size: int, prefix: int, num_packs: int
+                       ) -> tuple[PackingConfig, str]:
+    """data.packing with max_images resolved where it is 0: as many images as let tokens, not
+    the image count, end a pack of the ``sizes`` sampled (vitgraph.data.images_per_pack); with
+    no sample, as many as images of half max_patches need. The reason, for the log line."""
+    if k.max_images:
+        return k, ""
+    one = pack_spec(dataclasses.replace(k, max_images=1), patch_size, prefix)
+    if sizes is None:
+        m = 8 * -(-2 * k.tokens_per_microbatch // one.max_len // 8)
+        why = "as many as images of half max_patches need (no size sample)"
+    else:
+        tokens = size_tokens(sizes, one)
+        m = images_per_pack(tokens, one, num_packs, k.window)
+        why = (f"tokens, not images, end a pack of the {len(sizes)} sampled images "
+               f"(mean {tokens.mean():.1f} tokens)")
+    return dataclasses.replace(k, max_images=m), f"; data.packing.max_images=0: {m}: {why}"
 
 
 def resolve_caption(cfg: Config) -> Caption:

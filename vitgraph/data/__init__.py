@@ -12,8 +12,9 @@ from vitgraph.data.decode import EncodedImages, resolve_decode
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
 from vitgraph.data.imagefolder import build_imagefolder, build_imagefolder_native
 from vitgraph.data.imagefolder import native_size_sample as _folder_sizes
-from vitgraph.data.native import (NativeDataset, PackedLoader, iterate_eval_packs, pack_fill,
-                                  pack_inputs, pack_spec, size_tokens)
+from vitgraph.data.native import (NativeDataset, PackedLoader, images_per_pack,
+                                  iterate_eval_packs, pack_fill, pack_inputs, pack_spec,
+                                  size_tokens)
 from vitgraph.data.shapes import CLASSES as SHAPES_CLASSES
 from vitgraph.data.shapes import build_shapes
 from vitgraph.data.shapes import native_size_sample as _shapes_sizes
@@ -86,6 +87,6 @@ def native_size_sample(data_cfg, seed: int, n: int = SIZE_SAMPLE):
 
 
 __all__ = ["DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader", "NativeDataset",
-           "PackedLoader", "SHAPES_CLASSES", "build_datasets", "decode_line",
+           "PackedLoader", "SHAPES_CLASSES", "build_datasets", "decode_line", "images_per_pack",
            "iterate_eval", "iterate_eval_packs", "native_size_sample", "pack_fill", "pack_inputs",
            "pack_spec", "size_tokens", "to_model_input"]

@@ -456,8 +456,9 @@ def _colour(name: str, x: torch.Tensor, m: torch.Tensor, sign: torch.Tensor) -> 
     if name == "contrast":
         return _blend(x, _gray(x).mean((2, 3), keepdim=True).expand_as(x), factor)
     if name == "sharpness":
-        k = torch.ones(3, 3, dtype=x.dtype, device=x.device)  # fills: capturable
-        k[1, 1] = 5
+        # fills (a number stored by indexing is a host copy: not capturable)
+        k = torch.ones(3, 3, dtype=x.dtype, device=x.device)
+        k[1, 1].fill_(5)
         k = k / 13
         smooth = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"),
                           k.expand(3, 1, 3, 3).contiguous(), groups=3)

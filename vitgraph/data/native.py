@@ -270,6 +270,26 @@ def pack_fill(tokens, spec: PackSpec, num_packs: int, window: int = 0, steps: in
     return used / (steps * k * spec.tokens)
 
 
+def images_per_pack(tokens, spec: PackSpec, num_packs: int, window: int = 0,
+                    slack: float = 0.002) -> int:
+    """data.packing.max_images=0: the fewest images a pack may hold (a multiple of 8) for
+    which ``pack_fill`` fills packs of ``spec.tokens`` within ``slack`` of what four times the
+    mean's count gives, over images of ``tokens`` (a sample, prefix included): tokens, not the
+    image count, end a pack. A count too low leaves every pack short by the same images (16,384
+    tokens at most 64 images of ~231 tokens: 90% full); a higher one costs little (a
+    per-image row, and slots of max_len where the attention runs in slots)."""
+    t = np.asarray(tokens, dtype=np.int64)
+    lo = 8 * -(-math.ceil(spec.tokens / t.mean()) // 8)
+    hi = max(lo, min(spec.tokens // int(t.min()), 4 * lo))
+
+    def fill(m: int) -> float:
+        return pack_fill(t, dataclasses.replace(spec, max_images=m), num_packs, window)
+    best, m = fill(hi), lo
+    while m < hi and fill(m) < best - slack:
+        m += 8
+    return m
+
+
 def spread(total: int, n: int) -> np.ndarray:
     """At most ``n`` indices spread evenly over ``range(total)`` (first and last included):
     a sample that sees every part of a dataset stored in class or shard order."""
@@ -733,7 +753,7 @@ def pack_spec(packing_cfg, patch_size: int, num_prefix: int, padded: bool = Fals
     """The ``PackSpec`` of data.packing for a model of ``patch_size`` with ``num_prefix`` class
     and register tokens. ``padded`` (data.packing.layout=padded): each image in a slot of
     max_len tokens of its own, as many slots as tokens_per_microbatch holds (max_images at
-    most), rounded down so that their tokens are a multiple of ``multiple`` (16 for FP8
+    most, unless 0), rounded down so that their tokens are a multiple of ``multiple`` (16 for FP8
     GEMMs); ValueError, saying why, where no slot is left or a slot's tokens do not split
     over ``split`` ranks (sequence parallel's tp)."""
     k = packing_cfg
@@ -747,7 +767,8 @@ def pack_spec(packing_cfg, patch_size: int, num_prefix: int, padded: bool = Fals
         raise ValueError(f"slots of {L} tokens ({num_prefix} prefix + data.packing.max_patches="
                          f"{k.max_patches}) do not split over parallel.tp={split} ranks "
                          "(sequence parallel)")
-    fits = min(k.max_images, k.tokens_per_microbatch // L)
+    fits = k.tokens_per_microbatch // L
+    fits = min(k.max_images, fits) if k.max_images else fits
     step = multiple // math.gcd(multiple, L)
     slots = fits - fits % step
     if slots < 1:
