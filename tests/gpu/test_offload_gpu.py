@@ -1,6 +1,8 @@
 """GPU: optim.offload_fraction (megatron's HybridDeviceOptimizer) trains the curve of the GPU
 optimizer within the rounding of its CPU Adam and holds less on the GPU, and its checkpoints
 resume the same curve, offloaded or not."""
+import gc
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ BASE = ["model.num_classes=10", "model.num_layers=4", "optim.lr=3e-4", "graphs.e
 def _run(path, steps, data, *over):
     """(the loss curve, GiB allocated after the last step: the weights, gradients and what the
     optimizer keeps on the GPU)."""
+    gc.collect()  # an earlier test's garbage, freed during this run, would count against it
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     t = train_gpu.make_trainer(path, *BASE, *over)
