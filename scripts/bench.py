@@ -41,11 +41,13 @@ input pipeline: files read in threads and decoded by nvJPEG (``data.decode=cuda`
 The process runs with the hardware queues `vitgraph train` sets (CUDA_DEVICE_MAX_CONNECTIONS,
 32 unless set: vitgraph.set_hardware_queues), peers included; the provenance records the value.
 
-``--configs CONFIG ... --imagefolder DIR --shards DIR``: the bundled configs as a user runs
-them (``vitgraph train`` in a process of its own, on a JPEG ImageFolder or image-text shards,
-steps 50-150 timed), each against vitgraph's best bench row at its micro-batch in this run
-(``bench_config``, ``run_configs``): rows with ``config``, ``images_per_s``,
-``best_images_per_s``, ``graphs`` (what auto chose), ``loss_first`` and ``loss_last``.
+``--configs CONFIG ... | all --imagefolder DIR --shards DIR``: the bundled configs as a user
+runs them (``vitgraph train`` in a process of its own, on a JPEG ImageFolder or image-text
+shards), each the first steps of its shipped schedule (a quarter of its warm-up, at least 150,
+or ``--window-s`` seconds; then SIGTERM), against vitgraph's best bench row at its micro-batch
+in this run (``bench_config``, ``run_configs``): rows with ``config``, ``images_per_s``,
+``best_images_per_s``, ``graphs`` (what auto chose), ``steps``, ``lr_share_of_peak``, the
+window's ``losses`` and ``loss_fell`` (the last third's mean 2% under the first third's).
 
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
@@ -811,47 +813,104 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-def bench_config(path: Path, data: str, steps: int, log_every: int, runs: Path,
+def bench_config(path: Path, data: str | None, steps: int | None, window_s: float, runs: Path,
                  microbatches: int = 2) -> dict:
     """``vitgraph train CONFIG`` as a user runs it, in a process of its own, on ``data`` (its
-    own kind: an ImageFolder for a classifier, shards for a pair): the loop's rate over steps
-    ``log_every``..``steps`` (the first window, with the captures, left out), the first and
-    last logged loss, and the graph path auto chose. One GPU: the global batch is
-    ``microbatches`` microbatches and tp / pp are 1, the rest as shipped."""
+    own kind: an ImageFolder for a classifier, shards for a pair; None: the config's own): the
+    first ``steps`` steps of the shipped schedule (None: a quarter of its warm-up, at least
+    150), ended by SIGTERM there or ``window_s`` seconds after the first logged step, whichever
+    comes first (exit 75; checkpoint.save=false: nothing written). ``train.steps`` is set far
+    past the window, so the warm-up is the config's (``build_scheduler`` cuts a warm-up longer
+    than the run). The row: the loop's rate (the first logged window, with the captures, left
+    out), the losses of the window and whether they fell, how far the warm-up got, and the
+    graph path auto chose. One GPU: the global batch is ``microbatches`` microbatches and tp /
+    pp are 1, the rest as shipped."""
     import re
     from vitgraph.config import load_config
-    over = [f"data.path={data}", f"train.steps={steps}", f"train.log_every={log_every}",
-            "train.eval_every=0", "checkpoint.every=0", "train.progress=false",
-            "checkpoint.resume=false", f"run.dir={runs / path.stem}"]
-    cfg = load_config(path, [*over, "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
-                             "parallel.sequence_parallel=false"])
-    mb = cfg.train.micro_batch_size
-    over += [f"train.global_batch_size={microbatches * mb}", "parallel.tp=1", "parallel.pp=1",
-             "parallel.vpp=1", "parallel.sequence_parallel=false"]
+    from vitgraph.train.preempt import PREEMPTED_EXIT
+    layout = ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.sequence_parallel=false"]
+    cfg = load_config(path, [*([f"data.path={data}"] if data else []), *layout])
+    o = cfg.optim  # the shipped warm-up, in steps (a fraction of train.steps where it is one)
+    warmup = o.warmup_steps if o.warmup_steps is not None else \
+        int(o.warmup_fraction * cfg.train.steps) if cfg.train.steps else 0
+    steps = steps or max(150, warmup // 4)
+    total = max(100 * steps, 4 * warmup)
+    log_every = max(5, steps // 15)
+    run_dir = runs / path.stem
+    shutil.rmtree(run_dir, ignore_errors=True)
+    over = [*([f"data.path={data}"] if data else []), f"train.steps={total}",
+            *(["train.epochs=null"] if cfg.train.epochs else []),
+            f"optim.warmup_steps={warmup}", f"train.log_every={log_every}", "train.eval_every=0",
+            "checkpoint.every=0", "checkpoint.save=false", "train.progress=false",
+            "checkpoint.resume=false", f"run.dir={run_dir}",
+            f"train.global_batch_size={microbatches * cfg.train.micro_batch_size}", *layout]
     # a world of one of its own: this process's first Trainer set RANK, MASTER_PORT ... here
     # (vitgraph.parallel.setup.init_distributed), and a child that inherits them binds the same
     # port (EADDRINUSE)
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    proc = subprocess.run([sys.executable, "-m", "vitgraph", "train", str(path), *over],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    run_dir = runs / path.stem
-    records = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()
-               if x.strip()] if (run_dir / "log.jsonl").is_file() else []
+    proc = subprocess.Popen([sys.executable, "-m", "vitgraph", "train", str(path), *over],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    records = _watch_window(proc, run_dir / "log.jsonl", steps, window_s)
+    out = proc.stdout.read()
     windows = [r for r in records if r.get("images_per_s") and r["step"] > log_every]
     log = (run_dir / "train.log").read_text() if (run_dir / "train.log").is_file() else ""
     graphs = re.search(r"graphs: (\w+) \(", log)
     losses = [r["loss"] for r in records if r.get("loss") is not None]
+    reached = records[-1]["step"] if records else 0
+    third = max(1, len(losses) // 3)
+    fell = bool(losses) and sum(losses[-third:]) / third < 0.98 * sum(losses[:third]) / third
+    share = min(1.0, reached / warmup) if warmup else 1.0
     row = {"config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
-           "model": cfg.model.name, "micro_batch": mb, "global_batch": microbatches * mb,
-           "input": "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "shards",
-           "overrides": over[:-1], "exit": proc.returncode,
-           "graphs": graphs.group(1) if graphs else None,
+           "model": cfg.model.name, "micro_batch": cfg.train.micro_batch_size,
+           "global_batch": microbatches * cfg.train.micro_batch_size,
+           "input": "the config's" if not data else
+                    "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "shards",
+           "overrides": over, "exit": proc.returncode,
+           "graphs": graphs.group(1) if graphs else None, "steps": reached,
+           "warmup_steps": warmup, "lr_share_of_peak": share,
            # equal images per window: the rate over them is the harmonic mean
            "images_per_s": len(windows) / sum(1 / r["images_per_s"] for r in windows) if windows else None,
-           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
-    if proc.returncode:
-        row["error"] = (proc.stdout + proc.stderr)[-800:]
+           "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+           "losses": losses, "loss_fell": fell,
+           "window": f"steps 1-{reached} of the shipped schedule: the warm-up ({warmup} steps) "
+                     f"took the learning rate to {share:.1%} of its peak"}
+    if proc.returncode not in (0, PREEMPTED_EXIT):
+        row["error"] = out[-800:]
     return row
+
+
+STARTUP_S = 600  # a config's start-up (data, build, the first steps' captures) at most
+
+
+def _watch_window(proc, log_path: Path, steps: int, window_s: float) -> list[dict]:
+    """The log records of ``proc``'s run once it is ended: SIGTERM when a record reaches step
+    ``steps`` or ``window_s`` seconds after the first record; killed if it does not stop, or
+    logs no step within STARTUP_S."""
+    import signal
+    first, records, deadline = None, [], time.time() + STARTUP_S
+    while proc.poll() is None:
+        time.sleep(0.5)
+        if first is None and time.time() > deadline:  # no step logged: stuck in start-up
+            proc.kill()
+            proc.wait()
+            break
+        if log_path.is_file():
+            records = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
+        steps_seen = [r["step"] for r in records if "loss" in r]
+        if steps_seen and first is None:
+            first = time.time()
+        if steps_seen and (max(steps_seen) >= steps or time.time() - first >= window_s):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            break
+    if log_path.is_file():
+        records = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
+    return [r for r in records if "loss" in r or "images_per_s" in r]
 
 
 def run_configs(args) -> int:
@@ -860,7 +919,10 @@ def run_configs(args) -> int:
     the row's ``best_images_per_s``."""
     runs = Path("/tmp/vitgraph-bench-configs")
     rows = []
-    for path in args.configs:
+    configs = args.configs
+    if [str(c) for c in configs] == ["all"]:  # every bundled GPU config (not the CPU demos)
+        configs = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
+    for path in configs:
         from vitgraph.config import load_config
         cfg = load_config(path, ["data.kind=shapes", "parallel.tp=1", "parallel.pp=1",
                                  "parallel.vpp=1", "parallel.sequence_parallel=false"])
@@ -869,7 +931,7 @@ def run_configs(args) -> int:
         k = 1 if pair else 2  # a pair's micro-batch of 512 is a step of ~0.16 s already
         t0 = time.time()
         try:
-            row = bench_config(path, data, args.steps, args.log_every, runs, k)
+            row = bench_config(path, data, args.steps, args.window_s, runs, k)
         except Exception as e:
             traceback.print_exc()
             row = {"config": str(path), "error": f"{type(e).__name__}: {e}"[:500]}
@@ -898,7 +960,9 @@ def run_configs(args) -> int:
         print(f"{row['config']:34s} graphs {row.get('graphs')}: {row.get('images_per_s') or float('nan'):8.1f} "
               f"img/s as shipped ({row.get('input')}), best bench row {row['best_system']} "
               f"{row['best_images_per_s'] or float('nan'):8.1f} -> {row.get('ratio', float('nan')):.3f}x; "
-              f"loss {row.get('loss_first') or float('nan'):.4f} -> {row.get('loss_last') or float('nan'):.4f}"
+              f"{row.get('steps')} steps (lr {100 * (row.get('lr_share_of_peak') or 0):.1f}% of its "
+              f"peak), loss {row.get('loss_first') or float('nan'):.4f} -> "
+              f"{row.get('loss_last') or float('nan'):.4f} ({'fell' if row.get('loss_fell') else 'did not fall'})"
               + (f"  ERROR {row['error'][-300:]}" if row.get("error") else ""), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))
@@ -1050,12 +1114,17 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=0,
                     help="torch.profiler over this many steps per system: top kernels by GPU time")
     ap.add_argument("--configs", nargs="+", type=Path,
-                    help="bundled configs: each as shipped through `vitgraph train` on --imagefolder "
-                         "(classifiers) or --shards (image-text pairs), against the bench rows")
+                    help="bundled configs (or `all`: every one but the CPU demos): each as "
+                         "shipped through `vitgraph train` on --imagefolder (classifiers) or "
+                         "--shards (image-text pairs), against the bench rows")
     ap.add_argument("--imagefolder", help="--configs: a JPEG ImageFolder for the classifiers")
     ap.add_argument("--shards", help="--configs: JPEG image-text shards for the pairs")
-    ap.add_argument("--steps", type=int, default=150, help="--configs: steps of each run")
-    ap.add_argument("--log-every", type=int, default=50, help="--configs: the rate's windows")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="--configs: the steps of each run's window (default: a quarter of the "
+                         "config's warm-up, at least 150)")
+    ap.add_argument("--window-s", type=float, default=120,
+                    help="--configs: a run's window ends this many seconds after its first "
+                         "logged step, if --steps have not come first")
     args = ap.parse_args()
     global PROFILE, KERNELS
     PROFILE, KERNELS = args.profile, args.kernels

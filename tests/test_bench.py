@@ -57,3 +57,23 @@ def test_recompute_rows_and_per_system_micro_batches():
         (128, "timm+compile", "none"),
         (256, "vitgraph+step-graphs", "none"), (256, "vitgraph+step-graphs", "full"),
         (256, "timm+compile+checkpointing", "full")]
+
+
+def test_a_config_as_shipped_runs_its_window_of_the_shipped_schedule(tmp_path):
+    """--configs: the config trains in a process of its own with its own warm-up (a fraction
+    of train.steps here, made explicit), and is stopped by SIGTERM (exit 75, nothing saved)
+    once its window's steps are logged; the row says how far the warm-up got and whether the
+    window's losses fell."""
+    bench = load_bench()
+    row = bench.bench_config(ROOT / "configs" / "vit-tiny-shapes.yaml", None, 10, 120,
+                             tmp_path, microbatches=1)
+    assert row["exit"] == 75 and "error" not in row, row
+    assert 10 <= row["steps"] < 20 and row["warmup_steps"] == 225  # 0.05 x 4500 steps
+    assert row["lr_share_of_peak"] == row["steps"] / 225
+    assert "optim.warmup_steps=225" in row["overrides"] and row["images_per_s"] > 0
+    losses = row["losses"]
+    third = max(1, len(losses) // 3)
+    assert len(losses) >= 2 and row["loss_fell"] == (
+        sum(losses[-third:]) < 0.98 * sum(losses[:third]))
+    assert not (tmp_path / "vit-tiny-shapes" / "checkpoints").exists() or not any(
+        (tmp_path / "vit-tiny-shapes" / "checkpoints").iterdir())
