@@ -97,6 +97,28 @@ def test_greedy_generation_gives_ids_that_decode(dist1):
     assert torch.equal(ids[:, 1:][keep], want[keep])
 
 
+def test_kv_cache_greedy_gives_the_no_cache_tokens(dist1):
+    """Greedy captions through megatron's KV cache (the image and BOS, then one position per
+    token) are the tokens of the loop without a cache, which runs the image and the whole
+    text so far again for each token; the model's mode is left as it was."""
+    task, model = task_and_model(dist1, "lm.num_layers=2")
+    tok, length = task.tokenizer, 12
+    images = torch.randn(3, 3, 32, 32)
+    model.train()
+    ids = model.generate(images, tok.sot_id, tok.eot_id, length, tok.pad_id)
+    assert model.training
+    model.eval()
+    want = torch.full_like(ids, tok.pad_id)
+    want[:, 0] = tok.sot_id
+    with torch.no_grad():
+        for i in range(1, length):
+            want[:, i] = model(images, want[:, :i])[:, -1].argmax(-1)
+    ended = (want == tok.eot_id).long().cumsum(1)
+    want[(ended - (want == tok.eot_id).long()) > 0] = tok.pad_id  # padding after EOS
+    assert torch.equal(ids, want)
+    assert (ids[:, 1:] != tok.pad_id).sum() > 3 * 4  # the comparison covers decode steps
+
+
 def test_class_word_is_the_first_shape_named():
     import re
     pats = [re.compile(rf"(?<!\w){re.escape(c)}(?!\w)") for c in ("circle", "star", "l - shape")]

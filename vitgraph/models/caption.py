@@ -16,13 +16,18 @@ ids), 65 image tokens and 10 text positions, projecting every position onto the 
 costs 7.5x the output layer's work for logits nobody reads. ``tests/test_caption.py`` checks
 the logits against ``GPTModel.forward``'s.
 
-Not yet: packed (native-resolution) images and the LM sequence in thd, tp / pp, a KV cache.
+Greedy captions (``generate``) keep the keys and values of the positions so far in
+megatron-core's KV cache (``StaticInferenceContext``): one position per token after the
+image and BOS, not the whole prefix again.
+
+Not yet: packed (native-resolution) images and the LM sequence in thd, tp / pp.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -59,24 +64,22 @@ class CaptionModel(MegatronModule):
         """[b, 3, H, W] -> [n, b, lm width]: the tower's tokens through the projector."""
         return self.projector(self.visual.forward_features(images))
 
-    def embed(self, image_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The language model's input [n + L, b, h]: image tokens, then the text's word
-        embeddings; learned positions over the whole sequence (GPTModel's embedding)."""
+    def embed(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
+              start: int = 0) -> torch.Tensor:
+        """The language model's input [n + L, b, h]: image tokens (n may be 0), then the
+        text's word embeddings; learned positions from ``start`` on (GPTModel's embedding)."""
         emb = self.language_model.embedding
         words = emb.word_embeddings(tokens).transpose(0, 1)  # [L, b, h]
         x = torch.cat([image_tokens.to(words.dtype), words])
-        pos = torch.arange(x.shape[0], device=x.device)
+        pos = torch.arange(start, start + x.shape[0], device=x.device)
         x = x + emb.position_embeddings(pos)[:, None]
         return emb.embedding_dropout(x)
 
-    def text_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
-                    at: int | None = None) -> torch.Tensor:
-        """[b, L, vocab]: the text positions' logits (``at``: position ``at``'s alone,
-        [b, 1, vocab])."""
+    def text_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[b, L, vocab]: the text positions' logits."""
         lm = self.language_model
         hidden = lm.decoder(hidden_states=self.embed(image_tokens, tokens), attention_mask=None)
-        start = image_tokens.shape[0] + (at or 0)
-        logits, _ = lm.output_layer(hidden[start:] if at is None else hidden[start:start + 1])
+        logits, _ = lm.output_layer(hidden[image_tokens.shape[0]:])
         return logits.transpose(0, 1)
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -84,23 +87,48 @@ class CaptionModel(MegatronModule):
         logits predict text token i + 1."""
         return self.text_logits(self.image_tokens(images), tokens)
 
+    def next_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
+                    cache: StaticInferenceContext) -> torch.Tensor:
+        """[b, vocab]: the logits after the last of ``tokens``. The positions before them are
+        in ``cache`` (megatron-core's KV cache), which takes these positions' keys and
+        values."""
+        lm = self.language_model
+        x = self.embed(image_tokens, tokens, start=cache.sequence_len_offset)
+        hidden = lm.decoder(hidden_states=x, attention_mask=None, inference_context=cache)
+        cache.sequence_len_offset += x.shape[0]
+        logits, _ = lm.output_layer(hidden[-1:])
+        return logits[0]
+
     @torch.no_grad()
     def generate(self, images: torch.Tensor, bos: int, eos: int, length: int,
                  pad: int = 0) -> torch.Tensor:
         """Greedy captions, int64 [b, length]: BOS, then the argmax token until EOS or the
-        budget; padding after EOS. Eager, the image and the text so far again at each
-        position (no KV cache: the captions are a few dozen positions at most)."""
+        budget; padding after EOS. With megatron-core's KV cache: the image tokens and BOS in
+        one pass, then one position per token. In eval mode: megatron drops the causal mask
+        of a one-token step only outside training."""
+        was_training = self.training
+        self.eval()
+        try:
+            return self._greedy(images, bos, eos, length, pad)
+        finally:
+            self.train(was_training)
+
+    def _greedy(self, images, bos: int, eos: int, length: int, pad: int) -> torch.Tensor:
         image = self.image_tokens(images)
         b = images.shape[0]
         out = torch.full((b, length), pad, dtype=torch.long, device=images.device)
         out[:, 0] = bos
         done = torch.zeros(b, dtype=torch.bool, device=images.device)
-        for i in range(length - 1):
-            nxt = self.text_logits(image, out[:, :i + 1], at=i)[:, 0].argmax(-1)
-            out[:, i + 1] = torch.where(done, pad, nxt)
+        cache = StaticInferenceContext(b, image.shape[0] + length)
+        logits = self.next_logits(image, out[:, :1], cache)
+        cache.enable_decode_mode()
+        for i in range(1, length):
+            nxt = logits.argmax(-1)
+            out[:, i] = torch.where(done, pad, nxt)
             done |= nxt == eos
-            if bool(done.all()):
+            if i == length - 1 or bool(done.all()):
                 break
+            logits = self.next_logits(image[:0], out[:, i:i + 1], cache)
         return out
 
 

@@ -43,6 +43,7 @@ from vitgraph.models.fused_act import bias_act
 from vitgraph.models.fused_norm import add, add_layer_norm, layer_norm
 
 SPECS = ("te", "torch")
+CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
 def te_available() -> bool:
@@ -224,9 +225,10 @@ class DropPathLayer(_DropPath, TransformerLayer):
 
 
 # the attention arguments megatron's TransformerBlock passes a layer that ResidualNormLayer
-# hands on (the rest are for cross attention and inference, which it does not do)
+# hands on (the rest are for cross attention, which it does not do); the inference context
+# holds a KV cache (CaptionModel.generate)
 _ATTENTION_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "attention_bias",
-                     "packed_seq_params", "sequence_len_offset")
+                     "packed_seq_params", "sequence_len_offset", "inference_context")
 
 
 class ResidualNormLayer(_DropPath, TransformerLayer):
@@ -303,7 +305,9 @@ class SDPAttention(MegatronModule):
     megatron-core 0.16.1's local ViT spec masks causally, which is wrong for a ViT; this is the
     drop-in core attention for the ``torch`` spec: [s, b, heads, d] in, [s, b, heads * d] out.
     With a padding mask ([b, 1, 1, s], True = masked key, megatron's convention) padded keys
-    are left out; with a causal mask type a query sees only itself and earlier positions.
+    are left out; with a causal mask type a query sees only itself and earlier positions (the
+    type megatron passes at the call decides: no_mask at a KV cache's decode steps; fewer
+    queries than keys are the last positions).
     With ``packed_seq_params`` in the ``thd`` format (packed images, vitgraph.models.vit)
     the query arrives squeezed, [t, heads, d], and attends only within its own segment of
     ``cu_seqlens_q``: in slots (``PackedSelfAttention``) without a mask, else by a
@@ -318,7 +322,7 @@ class SDPAttention(MegatronModule):
                  pg_collection=None):
         super().__init__(config=config)
         assert attn_mask_type in MASKS.values(), attn_mask_type
-        self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        self.causal = attn_mask_type in CAUSAL
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
 
@@ -340,11 +344,14 @@ class SDPAttention(MegatronModule):
                 raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
             blocks = pk.block_diagonal(cu, q.shape[2])
             keep = blocks if keep is None else keep & blocks
-        causal = self.causal
-        if causal and keep is not None:  # SDPA takes one or the other: merge them
-            s_q, s_k = q.shape[2], k.shape[2]
-            keep = keep & torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
-            causal = False
+        # the mask type megatron passes: at a KV cache's decode steps it is no_mask
+        causal = self.causal if attn_mask_type is None else attn_mask_type in CAUSAL
+        s_q, s_k = q.shape[2], k.shape[2]
+        if causal and (keep is not None or s_q != s_k):
+            # SDPA takes a mask or is_causal, and its is_causal aligns the queries with the
+            # first keys; a KV cache's queries are the last ones
+            tri = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+            keep, causal = tri if keep is None else keep & tri, False
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])

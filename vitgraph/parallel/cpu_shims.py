@@ -12,7 +12,8 @@ megatron-core assumes CUDA in a few places that a ViT training step touches:
   ``torch.cuda.current_device()``;
 - dist_checkpointing's save path synchronizes CUDA and builds its consistency-check tensors
   on ``torch.cuda.current_device()``;
-- its FSDP wrapper (``TorchFullyShardedDataParallel``) builds its device mesh for "cuda".
+- its FSDP wrapper (``TorchFullyShardedDataParallel``) builds its device mesh for "cuda";
+- attention allocates the inference KV cache on ``torch.cuda.current_device()``.
 Each shim swaps the module-level ``torch`` name of one megatron module for a proxy that maps
 those calls to the CPU, so the real ``torch`` is untouched for everyone else.
 """
@@ -118,8 +119,9 @@ def install() -> bool:
     from megatron.core import utils as core_utils  # GlobalMemoryBuffer (sequence parallel)
     # sequence parallel: scatter / gather, and the linears' backward all-gather buffers
     from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.transformer import attention  # the KV cache of greedy captions
     for module in (schedules, p2p_communication, async_utils, filesystem_async, state_dict_saver,
-                   core_utils, mappings, layers):
+                   core_utils, mappings, layers, attention):
         module.torch = proxy
     tracker = _NoForkTracker()
     tp_random.get_cuda_rng_tracker = lambda *a, **k: tracker
