@@ -145,6 +145,7 @@ def test_freezing_the_tower_or_the_language_model(dist1):
     (["lm.num_heads=3"], "lm.num_heads", "not divisible"),
     (["lm.freeze_tower=true", "lm.freeze_lm=true"], "lm.freeze_lm", "only the projector"),
     (["lm.tokenizer=words"], "lm.tokenizer", "bpe, byte"),
+    (["data.captions=long"], "data.captions", "short, shape_first"),
     (["data.resolution=native", "train.micro_batch_size=1"], "data.resolution",
      "fixed-size"),
 ])

@@ -58,6 +58,19 @@ def test_short_captions_keep_size_colour_and_shape(small):
         assert len(cap.split()) >= 4  # a <size> <colour...> <shape>
 
 
+def test_shape_first_captions_name_the_shape_then_size_and_colour(small):
+    train, val = small
+    first, first_val = build_datasets(shapes_cfg(num_train=1200, num_val=300,
+                                                 captions="shape_first"), seed=0)
+    assert torch.equal(first.images, train.images)
+    for plain, ds in ((train, first), (val, first_val)):
+        for full, cap, label in zip(plain.captions, ds.captions, plain.labels.tolist()):
+            size_colour = " ".join(full.split(" on a ")[0].split()[1:-1])
+            assert cap == f"{plain.classes[label]}, {size_colour}", (full, cap)
+    assert shapes.shape_first_caption(
+        "a large dark blue L-shape on a white background, upright") == "L-shape, large dark blue"
+
+
 def test_caption_dropout_variants_only_for_training(small):
     """data.caption_dropout: each training caption carries its variants without size and/or
     colour (bitmask order); the held-out split has none and keeps its captions as written."""

@@ -60,6 +60,8 @@ def test_contrastive_training_end_to_end(tmp_path, capsys, loss):
     (["data.caption_dropout_start=1"], "data.caption_dropout_start", "[0, 1)"),
     (["data.caption_dropout=0.5", "data.kind=imagefolder"], "data.caption_dropout",
      "only the shapes data"),
+    (["data.caption_dropout=0.5", "data.captions=shape_first"], "data.caption_dropout",
+     "data.captions=full or short"),
 ])
 def test_contrastive_config_errors_exit_2(monkeypatch, capsys, overrides, key, why):
     monkeypatch.setenv("WORLD_SIZE", "2")

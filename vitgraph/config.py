@@ -157,8 +157,10 @@ class DataConfig:
     num_classes: int = 10  # shapes only
     # shapes: the caption of each image. full: size, colours, shape, background, place and
     # rotation ("a large white star on a dark blue background, in the top left, rotated 30
-    # degrees"); short: size, colour and shape ("a large white star")
-    captions: str = key("full", choices=("full", "short"))
+    # degrees"); short: size, colour and shape ("a large white star"); shape_first: the
+    # shape, then size and colour ("star, large white": a captioning VLM's first word names
+    # the class)
+    captions: str = key("full", choices=("full", "short", "shape_first"))
     # shapes, training split only: each of a caption's size word and its shape's colour is left
     # out with this probability, drawn anew for every pair at every step (seeded by train.seed;
     # held-out captions stay whole): "a large white star" is also seen as "a white star",
@@ -214,6 +216,9 @@ def _validate_data(d: DataConfig, err) -> None:
     if d.caption_dropout and d.kind != "shapes":
         err("data.caption_dropout", d.caption_dropout,
             f"only the shapes data has size and colour words to drop (data.kind={d.kind})")
+    if d.caption_dropout and d.captions == "shape_first":
+        err("data.caption_dropout", d.caption_dropout, "drops words of captions that begin "
+            "\"a <size> <colour>\": set data.captions=full or short")
     if d.resolution == "native" and d.augment.enabled \
             and d.augment.auto == "3augment":  # a pack's ops are per patch: no blur
         err("data.augment.auto", "3augment", "not with data.resolution=native (gaussian blur "

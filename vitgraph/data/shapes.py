@@ -559,18 +559,34 @@ _SIZE_WORDS = ("small", "medium", "large")
 _COLOUR_NAMES = sorted((name for name, _ in _PALETTE), key=len, reverse=True)
 
 
-def caption_variants(caption: str) -> tuple[str, str, str, str]:
-    """A caption with its size word and/or its shape's colour left out, indexed by a bitmask
-    (1: no size, 2: no colour): ("a large white star ...", "a white star ...",
-    "a large star ...", "a star ..."). The rest (background, place, rotation) stays. The
-    article stays "a" ("a orange star"), as the captions and the zero-shot prompts write it."""
+def _size_colour_rest(caption: str) -> tuple[str, str, str]:
+    """"a large dark blue star on a ..." -> ("large", "dark blue", "star on a ...")."""
     if not caption.startswith("a "):
         raise ValueError(f"not a shapes caption: {caption!r}")
     size, _, rest = caption[2:].partition(" ")
     colour = next((c for c in _COLOUR_NAMES if rest.startswith(c + " ")), None)
     if size not in _SIZE_WORDS or colour is None:
         raise ValueError(f"not a shapes caption: {caption!r}")
-    shape = rest[len(colour) + 1:]
+    return size, colour, rest[len(colour) + 1:]
+
+
+def shape_first_caption(caption: str) -> str:
+    """The shape, then size and colour ("star, large white"; data.captions=shape_first): a
+    captioning model names the class with its first word, before the words it learns
+    sooner."""
+    size, colour, shape = _size_colour_rest(short_caption(caption))
+    return f"{shape}, {size} {colour}"
+
+
+CAPTION_FORMS = {"short": short_caption, "shape_first": shape_first_caption}
+
+
+def caption_variants(caption: str) -> tuple[str, str, str, str]:
+    """A caption with its size word and/or its shape's colour left out, indexed by a bitmask
+    (1: no size, 2: no colour): ("a large white star ...", "a white star ...",
+    "a large star ...", "a star ..."). The rest (background, place, rotation) stays. The
+    article stays "a" ("a orange star"), as the captions and the zero-shot prompts write it."""
+    size, colour, shape = _size_colour_rest(caption)
     return (caption, f"a {colour} {shape}", f"a {size} {shape}", f"a {shape}")
 
 
@@ -615,8 +631,9 @@ def build_shapes(data_cfg, seed: int, native: bool = False):
             split, num, seed, data_cfg.num_classes, data_cfg.render_size,
             data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir),
             getattr(data_cfg, "cache_max_mb", 1024))
-        if getattr(data_cfg, "captions", "full") == "short":
-            captions = [short_caption(c) for c in captions]
+        form = CAPTION_FORMS.get(getattr(data_cfg, "captions", "full"))
+        if form is not None:
+            captions = [form(c) for c in captions]
         variants = None
         if split == "train" and getattr(data_cfg, "caption_dropout", 0.0) > 0:
             variants = [caption_variants(c) for c in captions]  # the task draws among them
