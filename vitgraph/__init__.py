@@ -80,3 +80,17 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+# vitgraph.VisionTower and its tuples, imported when first asked for: importing them imports
+# megatron-core (which can start CUDA), so the hardware queues are set first, and a plain
+# `import vitgraph` (the CLI's first line) stays light
+_TOWER = ("VisionTower", "PackedTokens", "Pack")
+
+
+def __getattr__(name: str):
+    if name in _TOWER:
+        set_hardware_queues()
+        from vitgraph import tower
+        return getattr(tower, name)
+    raise AttributeError(f"module 'vitgraph' has no attribute {name!r}")

@@ -90,7 +90,10 @@ def _add_export(sub) -> None:
                         description="Write the model weights of RUN_DIR's newest (or a named) "
                                     "checkpoint as safetensors, with vitgraph, timm, Hugging "
                                     "Face or open_clip parameter names (open_clip: CLIP image "
-                                    "towers and pairs, not classifiers).")
+                                    "towers and pairs, not classifiers; hf of a task.kind: "
+                                    "caption run: its vision tower as transformers' "
+                                    "SiglipVisionModel, or Siglip2VisionModel where the tower "
+                                    "is NaFlex-like).")
     ex.add_argument("run_dir")
     ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "timm_naflex", "hf", "open_clip"),
                     help="timm of a data.resolution=native run writes timm's NaFlexVit names "
@@ -368,47 +371,18 @@ def _cache(args) -> int:
 def _export(args) -> int:
     import json
 
-    import yaml
-
-    from vitgraph.config import ConfigError, ModelConfig, _build
-    from vitgraph.convert import (ConvertError, export_files, from_vitgraph,
-                                  read_checkpoint_weights, save_safetensors)
-    from vitgraph.models.registry import CLIP_MODELS, resolve_arch
+    from vitgraph.config import ConfigError, run_model_config
+    from vitgraph.convert import ConvertError, read_checkpoint_weights, save_safetensors
     from vitgraph.convert.checkpoints import checkpoint_dir
     run_dir = Path(args.run_dir)
     try:
-        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        model_cfg = _build(ModelConfig, raw.get("model") or {}, str(run_dir / "config.yaml"),
-                           "model.")
-        if model_cfg.name in CLIP_MODELS:  # an image-text pair: both towers' head counts
-            pair = CLIP_MODELS[model_cfg.name]
-            arch, heads = pair.vision, (pair.vision.num_heads, pair.text.num_heads)
-        else:
-            arch = resolve_arch(model_cfg)
-            heads = (arch.num_heads, None)
+        model_cfg, raw = run_model_config(run_dir)
         path = checkpoint_dir(run_dir, args.checkpoint)
         sd, step = read_checkpoint_weights(path, ema=args.ema)
-        from vitgraph.convert.naflex import export_format
-        fmt = export_format(args.format, (raw.get("data") or {}).get("resolution") == "native")
-        out = from_vitgraph(sd, fmt, *heads)
-        n = int(sd["head.weight"].shape[0]) if "head.weight" in sd else 0
-        classes = export_files.read_classes(run_dir, n or None)  # a pair has no head
+        out, sidecars, fmt, what = _export_weights(args, run_dir, raw, model_cfg, sd)
         meta = {"format": "pt", "vitgraph_format": fmt, "step": step,
                 **({"weights": "ema"} if args.ema else {}),
-                "checkpoint": str(path), "model": model_cfg.name,
-                "preprocessing": export_files.preprocessing(arch.image_size)}
-        if classes:
-            meta["classes"] = classes
-        sidecars = {}
-        if fmt == "hf":
-            sidecars = {"config.json": export_files.hf_config(arch, model_cfg, n, classes),
-                        "preprocessor_config.json":
-                            export_files.hf_preprocessor_config(arch.image_size)}
-        elif fmt == "timm":
-            sidecars = {"config.json": export_files.timm_config(model_cfg.name, arch, model_cfg,
-                                                                n, classes)}
-        elif fmt == "timm_naflex":
-            sidecars = {"config.json": export_files.timm_naflex_config_for(model_cfg, n, classes)}
+                "checkpoint": str(path), "model": model_cfg.name, **sidecars.pop("meta")}
         folder = Path(args.out).parent
         texts = {folder / name: json.dumps(content, indent=2) + "\n"
                  for name, content in sidecars.items()}
@@ -427,10 +401,49 @@ def _export(args) -> int:
     except (ConfigError, ConvertError) as e:
         print(f"vitgraph: export: {e}", file=sys.stderr)
         return 2
-    print(f"{written}: the weights ({fmt} names)")
+    print(f"{written}: {what}")
     for side in texts:
         print(f"{side}: written beside them ({fmt}'s loaders read it from the folder)")
     return 0
+
+
+def _export_weights(args, run_dir: Path, raw: dict, model_cfg, sd: dict):
+    """(the weights under ``args.format``'s names, {side file: content, "meta": safetensors
+    metadata}, the format written, what the command says they are)."""
+    from vitgraph.convert import export_files, from_vitgraph
+    from vitgraph.convert.naflex import export_format
+    from vitgraph.models.registry import CLIP_MODELS, resolve_arch
+    native = (raw.get("data") or {}).get("resolution") == "native"
+    if args.format == "hf" and (raw.get("task") or {}).get("kind") == "caption":
+        out, sidecars, cls = export_files.hf_vision_export(sd, model_cfg, native)
+        sidecars["meta"] = {"preprocessing": export_files.preprocessing(
+            resolve_arch(model_cfg).image_size)}
+        return out, sidecars, "hf", (f"the vision tower as transformers' {cls} (hf names; the "
+                                     f"projector and the language model are not in it)")
+    if model_cfg.name in CLIP_MODELS:  # an image-text pair: both towers' head counts
+        pair = CLIP_MODELS[model_cfg.name]
+        arch, heads = pair.vision, (pair.vision.num_heads, pair.text.num_heads)
+    else:
+        arch = resolve_arch(model_cfg)
+        heads = (arch.num_heads, None)
+    fmt = export_format(args.format, native)
+    out = from_vitgraph(sd, fmt, *heads)
+    n = int(sd["head.weight"].shape[0]) if "head.weight" in sd else 0
+    classes = export_files.read_classes(run_dir, n or None)  # a pair has no head
+    meta = {"preprocessing": export_files.preprocessing(arch.image_size)}
+    if classes:
+        meta["classes"] = classes
+    sidecars = {}
+    if fmt == "hf":
+        sidecars = {"config.json": export_files.hf_config(arch, model_cfg, n, classes),
+                    "preprocessor_config.json":
+                        export_files.hf_preprocessor_config(arch.image_size)}
+    elif fmt == "timm":
+        sidecars = {"config.json": export_files.timm_config(model_cfg.name, arch, model_cfg,
+                                                            n, classes)}
+    elif fmt == "timm_naflex":
+        sidecars = {"config.json": export_files.timm_naflex_config_for(model_cfg, n, classes)}
+    return out, {**sidecars, "meta": meta}, fmt, f"the weights ({fmt} names)"
 
 
 if __name__ == "__main__":

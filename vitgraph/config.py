@@ -89,11 +89,12 @@ class ModelConfig:
     # TE norms write FP8 for the GEMM after them
     fused_norm: str = key("auto", choices=("auto", "always", "never"))
     # start from these weights (.safetensors, .pth, .bin; timm, Hugging Face or vitgraph names,
-    # see vitgraph/convert). A head of another class count is re-initialised, position
-    # embeddings are resized to model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
+    # see vitgraph/convert; hf_vision: a Hugging Face CLIP / SigLIP / SigLIP 2 vision model).
+    # A head of another class count is re-initialised, position embeddings are resized to
+    # model.image_size. HF ViT weights want layernorm_epsilon: 1e-12
     init_from: Optional[str] = None
     init_format: str = key("auto", choices=("auto", "timm", "timm_naflex", "hf", "open_clip",
-                                            "vitgraph"))
+                                            "hf_vision", "vitgraph"))
 
 
 def _validate_model(m: ModelConfig, err):
@@ -1033,3 +1034,11 @@ def validate_machine(cfg: Config, src: str = "<config>") -> None:
         if not (torch.cuda.is_available() and te_available()):
             raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
                               f"(pip install -e .[te]); use model.spec=torch or auto without them")
+
+
+def run_model_config(run_dir) -> tuple[ModelConfig, dict]:
+    """A run folder's ``model:`` section (from its config.yaml, as the run resolved it) and
+    the whole config as written there."""
+    path = Path(run_dir) / "config.yaml"
+    raw = yaml.safe_load(path.read_text()) or {}
+    return _build(ModelConfig, raw.get("model") or {}, str(path), "model."), raw

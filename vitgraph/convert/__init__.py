@@ -2,8 +2,9 @@
 
 - ``to_vitgraph`` / ``from_vitgraph``: rename and re-lay a full (tp=1) state dict: timm and
   Hugging Face ViT classifiers (names.py), open_clip CLIP image towers and pairs
-  (openclip.py), Hugging Face CLIP / SigLIP pairs (clip_hf.py); each describes its names as
-  tables that one walker applies (tables.py);
+  (openclip.py), Hugging Face CLIP / SigLIP pairs and their vision models alone (clip_hf.py,
+  ``hf_vision``: CLIPVisionModel, SiglipVisionModel, Siglip2VisionModel); each describes its
+  names as tables that one walker applies (tables.py);
 - ``load_file`` / ``save_safetensors``: weight files;
 - ``init_from`` / ``load_into_model``: weights into a built model, a classifier chunk, a CLIP
   pair or its image tower (head re-init, position embedding resize, an error naming any

@@ -11,6 +11,9 @@ beside the file, ``hf`` writes ``config.json`` (``ViTConfig``, ``id2label`` / ``
 and ``preprocessor_config.json``, ``timm`` writes ``config.json`` (timm's hub layout:
 ``architecture``, ``model_args``, ``pretrained_cfg``, ``label_names``; with the weights named
 ``model.safetensors``, ``timm.create_model("local-dir:DIR", pretrained=True)`` builds it).
+A ``task.kind: caption`` run's ``hf`` export is its tower alone, as transformers'
+``SiglipVisionModel`` or ``Siglip2VisionModel`` (``hf_vision_export``): ``config.json`` and
+``preprocessor_config.json`` beside it.
 The class names are the run's data's (``classes.json`` in the run directory, written at the
 start of training); without them (or with another count than the head has) they are
 ``LABEL_<i>`` for Hugging Face and left out for timm.
@@ -20,11 +23,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vitgraph.convert.clip_hf import HF_VISION_CLASSES, hf_vision_config, vitgraph_to_hf_vision
 from vitgraph.convert.naflex import naflex_model_args
 from vitgraph.convert.tables import ConvertError
 from vitgraph.data.loader import MEAN, STD
 from vitgraph.models.registry import (CLIP_MODELS, resolve_arch, resolve_clip_arch,
-                                      resolve_pos_interp)
+                                      resolve_pos_interp, tower_of)
 
 CLASSES_FILE = "classes.json"
 
@@ -151,3 +155,31 @@ def timm_naflex_config_for(model_cfg, num_classes: int, classes: list[str] | Non
                               num_registers=model_cfg.num_registers, pool=pool,
                               activation="gelu", pos_interp=interp, num_classes=num_classes,
                               classes=classes)
+
+
+def hf_vision_export(sd: dict, model_cfg, native: bool) -> tuple[dict, dict, str]:
+    """A ``task.kind: caption`` run's tower as transformers' vision model: (its weights under
+    hub names, {side file: content}, the class). ``SiglipVisionModel`` (fixed resolution; at
+    other sizes its bicubic position resize is vitgraph's fixed path's), or
+    ``Siglip2VisionModel`` for a NaFlex-like tower (``native``: data.resolution=native, or
+    model.pos_interp=bilinear: SigLIP 2 resamples the grid per image, bilinear). SigLIP has no
+    class token and no registers: a tower with either is refused (ConvertError, saying so)."""
+    tower = tower_of(model_cfg)
+    kind = "siglip2" if native or tower.pos_interp == "bilinear" else "siglip"
+    try:
+        config = hf_vision_config(tower, kind)
+    except ConvertError as e:
+        raise ConvertError(f"{e}: this run's tower cannot be written as a "
+                           f"{HF_VISION_CLASSES[kind]}; export --format vitgraph and load it "
+                           f"with vitgraph.VisionTower.from_run") from None
+    out = vitgraph_to_hf_vision(sd, tower.vision.num_heads, kind)
+    a = tower.vision
+    if kind == "siglip":
+        pre = hf_preprocessor_config(a.image_size)
+    else:  # each image at its own size, at most the trained grid's patch count
+        pre = {"image_processor_type": "Siglip2ImageProcessor", "do_convert_rgb": True,
+               "do_resize": True, "resample": 2,  # PIL.Image.BILINEAR
+               "patch_size": a.patch_size, "max_num_patches": a.num_patches(),
+               "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+               "image_mean": list(MEAN), "image_std": list(STD)}
+    return out, {"config.json": config, "preprocessor_config.json": pre}, HF_VISION_CLASSES[kind]

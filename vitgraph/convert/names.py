@@ -1,6 +1,7 @@
 """Parameter names: vitgraph's (megatron-core's) <-> timm's and Hugging Face's ViT, and the
 dispatch over every format (open_clip: vitgraph.convert.openclip; Hugging Face CLIP / SigLIP
-pairs: vitgraph.convert.clip_hf; timm's NaFlexVit, ``timm_naflex``: vitgraph.convert.naflex).
+pairs and, ``hf_vision``, their vision models alone: vitgraph.convert.clip_hf; timm's
+NaFlexVit, ``timm_naflex``: vitgraph.convert.naflex).
 
 Everything here works on the *full* model (tensor-parallel size 1, all pipeline stages) with
 global layer numbers: ``decoder.layers.{i}`` counts from 0 over the whole encoder.
@@ -22,13 +23,14 @@ from __future__ import annotations
 import re
 
 from vitgraph.convert import tables
+from vitgraph.convert.clip_hf import VISION_ALONE, hf_vision_to_vitgraph, vitgraph_to_hf_vision
 from vitgraph.convert.naflex import NAFLEX, naflex_to_vitgraph, vitgraph_to_naflex
 from vitgraph.convert.openclip import TEXT, VISION, open_clip_to_vitgraph, vitgraph_to_open_clip
 from vitgraph.convert.tables import (CLASSIFIER_OPTIONAL, TIMM, ConvertError, Tower,  # noqa: F401
                                      check_empty, num_layers_of, qkv_from_megatron,
                                      qkv_to_megatron)
 
-FORMATS = ("vitgraph", "timm", "hf", "open_clip", "timm_naflex")
+FORMATS = ("vitgraph", "timm", "hf", "open_clip", "timm_naflex", "hf_vision")
 
 # Hugging Face ViT, the names its hub checkpoints use (transformers 4; transformers 5 renames
 # them on load). ViTForImageClassification prefixes the encoder with "vit.".
@@ -87,6 +89,9 @@ def detect_format(sd: dict) -> str:
         return "timm_naflex"  # before timm: the same block names
     if has(r"^blocks\.\d+\.attn\.qkv\."):
         return "timm"
+    if has(r"(^|\.)encoder\.layers\.\d+\.self_attn\.q_proj\.") and \
+            has(r"^(vision_model\.)?embeddings\.patch_embedding\."):
+        return "hf_vision"  # a CLIP / SigLIP (2) vision model, or a pair's vision half
     if has(r"(^|\.)encoder\.layer\.\d+\.attention\.attention\.query\.") or \
             has(r"^(vit\.)?layers\.\d+\.attention\.q_proj\."):
         return "hf"
@@ -184,6 +189,8 @@ def to_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = Non
         return open_clip_to_vitgraph(sd, num_heads, text_heads)
     if fmt == "timm_naflex":
         return naflex_to_vitgraph(sd, num_heads)
+    if fmt == "hf_vision":
+        return hf_vision_to_vitgraph(sd, num_heads)
     raise ConvertError(f"unknown weights format {fmt!r}; known: auto, {', '.join(FORMATS)}")
 
 
@@ -196,6 +203,10 @@ def name_in_file(fmt: str, ours: str) -> str:
             return "embeds.pos_embed"
         return (tables.their_name(NAFLEX, ours)
                 or tables.their_name(NAFLEX, ours.removeprefix("visual.")) or ours)
+    if fmt == "hf_vision":
+        bare = ours.removeprefix("visual.")
+        return (tables.their_name(VISION_ALONE["siglip"], bare)
+                or tables.their_name(VISION_ALONE["clip"], bare) or ours)
     if fmt == "open_clip":
         return (tables.their_name(VISION, ours) or tables.their_name(VISION, "visual." + ours)
                 or tables.their_name(TEXT, ours) or ours)
@@ -214,4 +225,6 @@ def from_vitgraph(sd: dict, fmt: str, num_heads: int, text_heads: int | None = N
         return vitgraph_to_open_clip(sd, num_heads, text_heads)
     if fmt == "timm_naflex":
         return vitgraph_to_naflex(sd, num_heads)
+    if fmt == "hf_vision":  # SigLIP's names (SigLIP 2's: vitgraph_to_hf_vision)
+        return vitgraph_to_hf_vision(sd, num_heads, "siglip")
     raise ConvertError(f"unknown weights format {fmt!r}; known: {', '.join(FORMATS)}")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vitgraph.convert.clip_hf import hf_vision_to_vitgraph, vision_part
 from vitgraph.convert.naflex import naflex_to_vitgraph
 from vitgraph.convert.names import ConvertError, detect_format, name_in_file, to_vitgraph
 from vitgraph.convert.openclip import INTO_CLASSIFIER
@@ -276,10 +277,15 @@ def _check_size(sd: dict, target, path) -> None:
                        f"set {keys} to the file's size")
 
 
-def init_from(model, path: str, fmt: str = "auto") -> dict:
-    """``model.init_from``: read ``path``, convert from ``fmt`` (auto-detected), load."""
+def init_from(model, source, fmt: str = "auto") -> dict:
+    """``model.init_from``: read ``source`` (a weights file, or a state dict already read),
+    convert from ``fmt`` (auto-detected), load. Into an image tower without a classifier head
+    (a caption model's ``visual``, vitgraph.tower.VisionTower) the weights of a pair or a
+    caption model give their ``visual.*`` tensors, and a classifier head, attention pooling or
+    projection that the tower has no place for is left out; both are logged."""
     target = unwrap(model)
-    raw = load_file(path)
+    path = "the state dict" if isinstance(source, dict) else str(source)
+    raw = dict(source) if isinstance(source, dict) else load_file(source)
     if fmt == "auto":
         fmt = detect_format(raw)
     if fmt == "open_clip" and not _is_pair(target):
@@ -291,13 +297,40 @@ def init_from(model, path: str, fmt: str = "auto") -> dict:
             if unused:
                 log.info("init: image tower only: %d tensors of the text tower and logit scale "
                          "not used", unused)
+    if fmt == "hf_vision":
+        raw, unused = vision_part(raw)
+        if unused:
+            log.info("init: vision model only: %d tensors of the text model and logit scale "
+                     "not used", len(unused))
     heads, text_heads = heads_of(target)
     if fmt == "timm_naflex":  # a SigLIP tower's names go where the target has its tower
         sd = naflex_to_vitgraph(raw, heads, tower=_is_pair(target))
+    elif fmt == "hf_vision":
+        sd = hf_vision_to_vitgraph(raw, heads, tower=_is_pair(target))
     else:
         sd = to_vitgraph(raw, fmt, heads, text_heads)
+    if not _is_pair(target) and target.head is None and target.post_process:
+        sd = _into_tower(sd, target)
     _check_size(sd, target, path)
-    report = load_into_model(model, sd, source=str(path),
+    report = load_into_model(model, sd, source=path,
                              name_of=lambda name: name_in_file(fmt, name))
     log.info("init: weights from %s (%s)", path, fmt)
     return report
+
+
+def _into_tower(sd: dict, vit) -> dict:
+    """``sd`` as an image tower without a classifier head takes it (``init_from``)."""
+    if any(k.startswith("visual.") for k in sd):  # a pair's or a caption model's tower
+        unused = sum(not k.startswith("visual.") for k in sd)
+        sd = {k[len("visual."):]: v for k, v in sd.items() if k.startswith("visual.")}
+        if unused:
+            log.info("init: the image tower only: %d tensors of the rest of the model not used",
+                     unused)
+    lacking = tuple(prefix for prefix, part in (("head.", None), ("head_dist.", None),
+                                                ("attn_pool.", vit.attn_pool),
+                                                ("proj.", vit.proj)) if part is None)
+    dropped = sorted(k for k in sd if k.startswith(lacking))
+    if dropped:
+        log.info("init: %d tensors of a head the tower has no place for not used (%s)",
+                 len(dropped), ", ".join(dropped[:3]) + (" ..." if len(dropped) > 3 else ""))
+    return {k: v for k, v in sd.items() if not k.startswith(lacking)}

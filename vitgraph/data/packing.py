@@ -175,9 +175,11 @@ def layout(grids: list[tuple[int, int]], spec: PackSpec) -> tuple[torch.Tensor, 
 def assemble(patches: list[torch.Tensor], grids: list[tuple[int, int]], labels: list[int],
              spec: PackSpec) -> tuple[torch.Tensor, ...]:
     """One pack's fields (patches, coords, seg, cu_seqlens, labels) from its images' patch
-    rows (``patchify``; uint8 [gh * gw, 3 p^2] each)."""
+    rows (``patchify``; uint8 [gh * gw, 3 p^2] each, or float: the patches come out in their
+    dtype, zero on prefix and padding tokens)."""
     coords, seg, cu, offsets = layout(grids, spec)
-    out = torch.zeros(spec.tokens, spec.patch_dim, dtype=torch.uint8)
+    dtype = patches[0].dtype if patches else torch.uint8
+    out = torch.zeros(spec.tokens, spec.patch_dim, dtype=dtype)
     for rows, start, (gh, gw) in zip(patches, offsets, grids):
         if rows.shape != (gh * gw, spec.patch_dim):
             raise ValueError(f"patch rows {tuple(rows.shape)} for a {gh}x{gw} grid")

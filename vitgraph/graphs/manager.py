@@ -260,6 +260,12 @@ class GraphManager:
     def active(self) -> bool:
         return self._applied and self._capture_index is not None
 
+    def in_flight(self) -> int:
+        """Graphed calls whose backward has not run yet (busy slots): a step may begin only
+        when there are none, or step_begin() frees slots a backward still needs."""
+        return sum(s.busy for st in self.layers if st.callable is not None
+                   for slots in st.callable.sets.values() for s in slots)
+
     def reset(self) -> None:
         """Drop every graph (after a checkpoint load or parameter replacement); the layers
         re-capture at their next graphed call. Counters and known shapes are kept."""

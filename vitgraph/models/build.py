@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vitgraph.models.fused_act import ACTIVATIONS
 from vitgraph.models.init import init_weights
 from vitgraph.models.specs import get_layer_spec
 from vitgraph.models.vit import ViT
@@ -91,35 +92,49 @@ def recompute_kwargs(recompute) -> dict:
                 recompute_num_layers=recompute.num_layers)
 
 
-def transformer_config(plan, model_cfg, d) -> TransformerConfig:
-    """megatron-core's TransformerConfig of the plan's (image) encoder on this rank."""
-    arch, bf16 = plan.arch, plan.bf16
-    fp8 = plan.fp8_recipe
+def encoder_config(arch, *, cuda: bool, dtype: torch.dtype, activation: str = "gelu",
+                   layernorm_epsilon: float = 1e-6, init_std: float = 0.02,
+                   hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
+                   gradient_accumulation_fusion: bool = False, **layout) -> TransformerConfig:
+    """megatron-core's TransformerConfig of a ViT encoder of ``arch`` (a registry ViTArch) on
+    one device; ``layout``: the parallel, FP8 and recompute fields a training plan adds.
+    ``gradient_accumulation_fusion``: TE's weight-gradient GEMMs accumulate into megatron
+    DDP's ``main_grad`` (without DDP there is none: a plain torch optimizer needs it off)."""
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads, ffn_hidden_size=arch.ffn_hidden_size,
-        hidden_dropout=model_cfg.hidden_dropout, attention_dropout=model_cfg.attention_dropout,
-        layernorm_epsilon=model_cfg.layernorm_epsilon, add_bias_linear=True,
-        activation_func=torch.nn.functional.gelu, gated_linear_unit=False,
-        normalization="LayerNorm", init_method_std=model_cfg.init_std,
-        tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
-        virtual_pipeline_model_parallel_size=d.vpp if d.vpp > 1 else None,
-        sequence_parallel=plan.sequence_parallel, bf16=bf16,
-        params_dtype=plan.dtype, pipeline_dtype=plan.dtype,
+        hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+        layernorm_epsilon=layernorm_epsilon, add_bias_linear=True,
+        activation_func=ACTIVATIONS[activation], gated_linear_unit=False,
+        normalization="LayerNorm", init_method_std=init_std,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
         # vitgraph.models.init draws the weights again, layout-independently; the layers'
         # own initialisation stays on because it also tags tensor-parallel parameters
         # (partition_dim, used by init, grad clipping and checkpoints)
-        use_cpu_initialization=not d.cuda, perform_initialization=True,
-        fp8="hybrid" if fp8 else None, fp8_recipe=FP8_RECIPES[fp8] if fp8 else "delayed",
-        fp8_amax_history_len=1024 if fp8 == "delayed" else 1,
-        fp8_amax_compute_algo="max",
+        use_cpu_initialization=not cuda, perform_initialization=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
-        **recompute_kwargs(getattr(plan, "recompute", None)),
         cuda_graph_scope=[],  # the whole layer: megatron's default, "full", warns it is deprecated
+        gradient_accumulation_fusion=gradient_accumulation_fusion, **layout)
+
+
+def transformer_config(plan, model_cfg, d) -> TransformerConfig:
+    """megatron-core's TransformerConfig of the plan's (image) encoder on this rank."""
+    fp8 = plan.fp8_recipe
+    return encoder_config(
+        plan.arch, cuda=d.cuda, dtype=plan.dtype, layernorm_epsilon=model_cfg.layernorm_epsilon,
+        init_std=model_cfg.init_std, hidden_dropout=model_cfg.hidden_dropout,
+        attention_dropout=model_cfg.attention_dropout,
         # (not under FSDP: its gradients are sharded DTensors, TE's fused wgrad writes main_grad)
         gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion and d.cuda
         and plan.spec == "te" and not getattr(plan, "fsdp", False),
+        tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
+        virtual_pipeline_model_parallel_size=d.vpp if d.vpp > 1 else None,
+        sequence_parallel=plan.sequence_parallel,
+        fp8="hybrid" if fp8 else None, fp8_recipe=FP8_RECIPES[fp8] if fp8 else "delayed",
+        fp8_amax_history_len=1024 if fp8 == "delayed" else 1,
+        fp8_amax_compute_algo="max",
+        **recompute_kwargs(getattr(plan, "recompute", None)),
         **plan.p2p,
     )
 
@@ -151,3 +166,22 @@ def build_model(plan, model_cfg, d, num_classes: int, seed: int) -> list[ViT]:
         init_weights(chunk, seed, tp_rank=d.tp_rank, tp_size=d.tp)
         chunks.append(chunk)
     return chunks
+
+
+def build_tower(tower, *, spec: str, cuda: bool, dtype: torch.dtype = torch.float32,
+                seed: int = 0, pack=None, gradient_accumulation_fusion: bool = False) -> ViT:
+    """An image tower on its own (vitgraph.tower.VisionTower): the ViT of ``tower`` (a
+    registry TowerArch) on one device, ending at its final norm (``head="none"``) or at
+    SigLIP's attention pooling (``tower.pool`` map); ``spec``: te | torch (resolved);
+    ``pack`` (a vitgraph.data.packing.PackSpec): it takes packs of it too. Its weights are
+    drawn as a caption model's or an image-text pair's tower (under ``visual.``)."""
+    fusion = gradient_accumulation_fusion and cuda and spec == "te"
+    config = encoder_config(tower.vision, cuda=cuda, dtype=dtype, activation=tower.activation,
+                            layernorm_epsilon=tower.layernorm_epsilon,
+                            gradient_accumulation_fusion=fusion)
+    vit = ViT(config, get_layer_spec(spec), tower.vision, 0, num_registers=tower.num_registers,
+              class_token=tower.class_token, ln_pre=tower.ln_pre,
+              head="map" if tower.pool == "map" else "none", patch_bias=tower.patch_bias,
+              pack=pack, pos_interp=tower.pos_interp)
+    init_weights(vit, seed, prefix="visual.")
+    return vit

@@ -21,7 +21,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from vitgraph.models.fused_act import gelu_tanh, quick_gelu
+from vitgraph.models.fused_act import ACTIVATIONS, gelu_tanh, quick_gelu  # noqa: F401
 from vitgraph.models.init import init_clip_weights
 from vitgraph.models.registry import CLIPArch, get_clip_arch
 from vitgraph.models.specs import get_layer_spec
@@ -78,9 +78,6 @@ class CLIP(MegatronModule):
     def clamp_logit_scale_(self) -> None:
         """Call after each optimizer step (open_clip does): the scale stays in [1, 100]."""
         self.logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
-
-
-ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "gelu_tanh": gelu_tanh}
 
 
 def tower_config(base: TransformerConfig, *, hidden_size: int, num_layers: int, num_heads: int,

@@ -183,6 +183,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# an architecture's activation by name (vitgraph.models.registry: CLIPArch, TowerArch)
+ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "gelu_tanh": gelu_tanh}
+
 _KIND_OF = {F.gelu: 0, quick_gelu: 1, gelu_tanh: 2}
 
 

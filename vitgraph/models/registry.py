@@ -192,3 +192,64 @@ def resolve_pos_interp(model_cfg) -> str:
     if model_cfg.name in CLIP_MODELS:
         return CLIP_MODELS[model_cfg.name].pos_interp
     return "bicubic"
+
+
+# --- an image tower on its own (vitgraph.tower.VisionTower) ---------------------------------
+
+@dataclass(frozen=True)
+class TowerArch:
+    """An image tower: the ViT's sizes and what makes it a classifier's, CLIP's or SigLIP's
+    tower. ``pool``: ``none`` (tokens only) | ``map`` (SigLIP's attention-pooling head kept
+    beside the tokens); ``pos_interp``: how a native-resolution image resamples the position
+    grid (vitgraph.models.packed)."""
+    vision: ViTArch
+    activation: str = "gelu"
+    layernorm_epsilon: float = 1e-6
+    class_token: bool = True
+    num_registers: int = 0
+    ln_pre: bool = False
+    patch_bias: bool = True
+    pool: str = "none"
+    pos_interp: str = "bicubic"
+
+    def __post_init__(self):
+        for field, value, allowed in (("pool", self.pool, ("none", "map")),
+                                      ("activation", self.activation,
+                                       ("gelu", "quick_gelu", "gelu_tanh")),
+                                      ("pos_interp", self.pos_interp, ("bicubic", "bilinear"))):
+            if value not in allowed:
+                raise ValueError(f"TowerArch.{field}={value!r}: {' | '.join(allowed)}")
+
+    @property
+    def num_prefix(self) -> int:
+        return int(self.class_token) + self.num_registers
+
+
+def tower_arch(name: str, image_size: int | None = None) -> TowerArch:
+    """The tower of a registry name: a ViT (a classifier's layout, its head left out) or an
+    image-text pair's image tower (its activation, norms and pooling; a projection left out);
+    ``image_size``: another input size than the registry's."""
+    if name in CLIP_MODELS:
+        p = CLIP_MODELS[name]
+        tower = TowerArch(p.vision, p.activation, p.layernorm_epsilon, p.class_token, 0,
+                          p.ln_pre, p.patch_bias, "map" if p.vision_pool == "map" else "none",
+                          p.pos_interp)
+    else:
+        tower = TowerArch(get_arch(name))
+    if image_size is None:
+        return tower
+    return dataclasses.replace(tower, vision=dataclasses.replace(tower.vision,
+                                                                 image_size=image_size))
+
+
+def tower_of(model_cfg) -> TowerArch:
+    """The tower a run's ``model:`` section builds without a head (task.kind=caption's
+    ``visual``, a classifier's encoder): the registry's sizes with the config's overrides,
+    exact GELU, its class token, registers, eps and model.pos_interp."""
+    if model_cfg.name in CLIP_MODELS:
+        pair = resolve_clip_arch(model_cfg)
+        return dataclasses.replace(tower_arch(model_cfg.name), vision=pair.vision,
+                                   pos_interp=resolve_pos_interp(model_cfg))
+    return TowerArch(resolve_arch(model_cfg), "gelu", model_cfg.layernorm_epsilon,
+                     model_cfg.class_token, model_cfg.num_registers,
+                     pos_interp=resolve_pos_interp(model_cfg))

@@ -221,7 +221,11 @@ class ViT(MegatronModule):
     def padded_len(self, micro_batch: int, seq_len: int | None = None) -> int:
         if self.pack is not None:  # one pack a microbatch, whatever it holds
             return self.pack_len
-        s = seq_len or self.seq_len
+        return self._fixed_len(micro_batch, seq_len or self.seq_len)
+
+    def _fixed_len(self, micro_batch: int, s: int) -> int:
+        """Tokens of fixed-size images after padding (a model that takes packs too pads
+        none: ``use_pack``)."""
         if self.pad_to is None:
             return s
         m = self.pad_to(micro_batch)
@@ -230,7 +234,7 @@ class ViT(MegatronModule):
     def _padding_mask(self, b: int, s: int, device) -> torch.Tensor | None:
         if self.pad_to is None:
             return None
-        padded = self.padded_len(b, s)
+        padded = self._fixed_len(b, s)
         mask = torch.arange(padded, device=device) >= s  # True: a padded key, masked out
         return mask.view(1, 1, 1, padded).expand(b, 1, 1, padded)
 
@@ -249,14 +253,16 @@ class ViT(MegatronModule):
     def forward_features(self, images: torch.Tensor | None, coords=None, seg=None,
                          cu_seqlens=None) -> torch.Tensor:
         """The encoder. On the last stage the tokens after the final norm, [s, b, d] (padding
-        dropped), or [T, d] for a pack; on another stage its output for the next."""
-        if self.pack is not None:
+        dropped), or [T, d] for a pack; on another stage its output for the next. A model
+        that takes packs (``use_pack``) still takes fixed-size images: a pack comes with its
+        ``coords``."""
+        if coords is not None:
             return self._features_packed(images, coords, seg, cu_seqlens)
         sp = self.config.sequence_parallel
         if self.pre_process:
             hidden = self.embed(images)
             s, b = hidden.shape[0], hidden.shape[1]
-            padded = self.padded_len(b, s)
+            padded = self._fixed_len(b, s)
             if padded > s:
                 hidden = F.pad(hidden, (0, 0, 0, 0, 0, padded - s))
             if sp:
@@ -274,12 +280,12 @@ class ViT(MegatronModule):
         if sp:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=False)
-        return self.final_norm(hidden[: self.seq_len])
+        return self.final_norm(hidden[:s])  # padding dropped; another image size keeps its own
 
     def pool(self, hidden: torch.Tensor, coords=None, seg=None, cu_seqlens=None) -> torch.Tensor:
         """forward_features' tokens -> image features: [b, d] ([2, b, d] for ``distill``: the
         class and distillation tokens), or [M, d] per image slot of a pack."""
-        if self.pack is not None:
+        if coords is not None:
             M = self.pack.max_images
             if self.global_pool == "map":
                 return pk.pool_attention(self.attn_pool, hidden, seg, coords, M)

@@ -97,6 +97,30 @@ def init_distributed(plan: Plan) -> Dist:
     return d
 
 
+def init_for_module(cuda: bool, *, seed: int = 0, graphs: bool = False, te: bool = False) -> None:
+    """megatron-core's state for a model used outside vitgraph's trainer (vitgraph.tower): on
+    CPU the shims; tensor- and pipeline-parallel size 1 over the caller's default process
+    group (under torchrun every rank builds the model: making megatron's groups is a
+    collective), or over a world of one made here when there is none; with graphs on a GPU,
+    megatron's graph-safe RNG tracker (TE's for the te spec: TE asserts it under capture),
+    seeded by ``seed`` (which seeds the CUDA generator too). What a caller set up already is
+    kept."""
+    if not cuda:
+        cpu_shims.install()
+    if not dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1, device_id=device)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1,
+                                     pipeline_model_parallel_size=1)
+    if cuda and graphs and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te,
+                                                        use_cudagraphable_rng=True,
+                                                        force_reset_rng=True)
+
+
 def check_precision(fp8_recipe: str | None, local_rank: int) -> None:
     """What the GPU cannot do is a config error, before any process group exists
     (``fp8_recipe``: the plan's; None without FP8)."""
