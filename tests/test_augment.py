@@ -312,9 +312,9 @@ def test_presets_run_end_to_end_and_deterministically():
 
 def test_native_packs_draw_colour_jitter_with_their_own_ops():
     from vitgraph.data.native import OPS as PACK_OPS
-    from vitgraph.data.native import pack_params
+    from vitgraph.data.native import PackAugment
     cfg = AugmentConfig(enabled=True, preset="light", color_jitter=0.3)
-    flip, ops, mag = pack_params(cfg, np.random.default_rng(0), 50)
+    flip, ops, mag = (t.numpy() for t in PackAugment(cfg).draw(50, (0, 0))[:3])
     assert ops.shape == (50, 3) and flip.shape == (50,)
     names = np.array(PACK_OPS)[ops]
     assert all(sorted(r) == ["brightness", "color", "contrast"] for r in names)

@@ -17,7 +17,7 @@ from vitgraph.data import shapes
 from vitgraph.data.augment import AugmentConfig, _colour
 from vitgraph.data.decode import (EncodedPack, crop_box, finish_pack_on_device, header_size,
                                   read_size)
-from vitgraph.data.native import (OPS, ArrayImages, NativeDataset, PackedLoader, augment_pack,
+from vitgraph.data.native import (OPS, ArrayImages, NativeDataset, PackAugment, PackedLoader,
                                   crop_boxes, eval_packs, pack_colour, pack_fields, pack_fill,
                                   pack_spec, size_tokens)
 from vitgraph.data.packing import PackSpec, native_grid, patchify
@@ -53,7 +53,8 @@ def same(a, b) -> bool:
 
 
 def aug(**kw):
-    base = dict(enabled=True, mixup_alpha=0.0, cutmix_alpha=0.0)
+    """data.augment as native packs take it (no mixing); erasing only where a test asks."""
+    base = dict(enabled=True, mixup_alpha=0.0, cutmix_alpha=0.0, erase_prob=0.0)
     base.update(kw)
     return AugmentConfig(**base)
 
@@ -597,11 +598,127 @@ def test_pack_spec_from_the_packing_keys():
         pack_spec(keys, 16, 2, padded=True, split=4)
 
 
-def test_augment_pack_leaves_prefix_and_padding_alone():
+def test_augmentation_leaves_prefix_and_padding_alone():
     ds, images, s, fields = exact_pack()
     patches, coords, seg, cu, labels = fields
-    x = patches.float() / 255
-    rng = np.random.default_rng(0)
-    y = augment_pack(x, coords, seg, cu, s.max_images, aug(flip=1.0, op_prob=1.0, num_ops=3), rng)
+    a = PackAugment(aug(flip=1.0, op_prob=1.0, num_ops=3, erase_prob=1.0))
+    y = a.apply(patches, coords.long(), seg.long(), cu, a.draw(s.max_images, (0, 0)))
     real = (coords[:, 0] >= 0) & (seg < s.max_images)
-    assert torch.equal(y[~real], x[~real])
+    assert (y[~real] == 0).all() and torch.isfinite(y).all()
+
+
+# ---------------------------------------------------------------- inside the step
+
+def old_pack_augment(x, coords, seg, cu, slots, cfg, rng):
+    """The prepare-time code ``PackAugment`` replaced (host draws, host branches: an op no
+    image drew was skipped, erasing was not applied at native resolution): the reference of
+    the same images. x [T, 3 p^2] in [0, 1] -> normalised rows."""
+    from vitgraph.data.augment import draw_ops
+    from vitgraph.data.loader import MEAN, STD
+    t, p = x.shape[0], int(round((x.shape[1] // 3) ** 0.5))
+    flip = rng.uniform(0, 1, slots) < cfg.flip
+    ops, mag = draw_ops(cfg, rng, slots, OPS)
+    per = lambda v, dt: torch.as_tensor(np.append(v, 0), dtype=dt)[seg]  # noqa: E731
+    real = (coords[:, 0] >= 0) & (seg < slots)
+    if flip.any():
+        f = per(flip, torch.bool) & real
+        col, gw = coords[:, 1], coords[:, 3]
+        x = x[torch.arange(t) + torch.where(f, gw - 1 - 2 * col, torch.zeros_like(col))]
+        x = torch.where(f.view(-1, 1), x.view(t, 3, p, p).flip(-1).reshape(t, -1), x)
+    x = x.view(t, 3, p * p)
+    for slot in range(ops.shape[1]):
+        for k, name in enumerate(OPS):
+            chosen = ops[:, slot] == k
+            if name == "identity" or not chosen.any():
+                continue
+            sel = per(chosen, torch.bool) & real
+            m = per(np.abs(mag[:, slot]), x.dtype).view(-1, 1, 1)
+            sg = per(np.sign(mag[:, slot]), x.dtype).view(-1, 1, 1)
+            x = torch.where(sel.view(-1, 1, 1),
+                            pack_colour(name, x, m, sg, seg, real, cu, slots), x)
+    x = (x - torch.tensor(MEAN).view(1, 3, 1)) / torch.tensor(STD).view(1, 3, 1)
+    return torch.where(real.view(-1, 1, 1), x, torch.zeros(())).view(t, -1)
+
+
+PACK_CASES = {
+    "light": dict(preset="light"),
+    "flip+randaugment": dict(flip=0.5, op_prob=0.7, num_ops=3),
+    "trivialaugment+jitter": dict(flip=0.5, auto="trivialaugment", color_jitter=0.4),
+    "randaugment-every-op": dict(op_prob=1.0, num_ops=2, magnitude_std=0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(PACK_CASES))
+def test_in_step_augmentation_gives_the_prepare_time_images(case):
+    """The classifier's in-step path (``prepare_pack`` hands over uint8 rows and the drawn
+    ``PackParams``, ``PackAugment.apply`` runs in the task's forward) gives bit for bit
+    (torch.equal) the images of the prepare-time code it replaced, for the same seed and key:
+    flip, RandAugment / TrivialAugment's colour ops and colour jitter are the same draws from
+    the same generator through the same per-op functions. Two things differ from that code:
+    random erasing, which it did not apply at native resolution (so it is compared with
+    data.augment.erase_prob=0, and on its own below), and nothing else; the random-resized
+    crop is not in this path (the resize makes it, ``crop_boxes``, as before)."""
+    from vitgraph.data.augment import _rng
+    from vitgraph.data.native import PackParams
+    from vitgraph.tasks.classification import prepare_pack
+    ds, s = toy(60), spec()
+    loader = PackedLoader(ds, s, 2, 0, 1, seed=0)
+    packs = loader.next_step() + loader.next_step()
+    cfg = aug(**PACK_CASES[case])
+    a = PackAugment(cfg, seed=7, rank=1)
+    for j, fields in enumerate(packs):
+        for key in ((j // 2, j % 2), (5, 1)):
+            staged = prepare_pack(fields, key, "cpu", True, None, None, a)
+            assert staged[0].dtype == torch.uint8 and len(staged) == 10
+            got = a.apply(*staged[:4], PackParams(*staged[5:]))
+            assert torch.equal(got, pack_inputs(fields, "cpu", cfg, key, seed=7, dp_rank=1)[0])
+            old = old_pack_augment(fields[0].float() / 255, fields[1], fields[2], fields[3],
+                                   s.max_images, cfg, _rng(7, (1, *key), 5))
+            assert torch.equal(got, old), (case, j, key)
+
+
+def test_pack_erasing_is_a_rectangle_of_noise_in_each_image():
+    """data.augment.erase_prob at native resolution: per image timm's rectangle (2-33% of its
+    area) at the image's own size, wherever its patches lie in the pack, filled with normal
+    noise; every other pixel is the unerased image's."""
+    grids = ((3, 5), (4, 4), (2, 6))
+    ds, images, s, fields = exact_pack(seed=2, grids=grids)
+    erased = PackAugment(aug(erase_prob=1.0, auto="none"), seed=1)
+    plain = PackAugment(aug(auto="none"), seed=1)
+    rows = [t.long() if t.dtype != torch.int32 else t for t in fields[:4]]
+    for key in ((0, 0), (1, 0), (2, 1)):
+        y = erased.apply(*rows, erased.draw(s.max_images, key))
+        ref = plain.apply(*rows, plain.draw(s.max_images, key))
+        assert torch.isfinite(y).all() and y.abs().max() < 4.8
+        for k, (gh, gw) in enumerate(grids):
+            a = int(fields[3][k]) + 1
+            diff = (_unpatchify(y[a:a + gh * gw], gh, gw)
+                    != _unpatchify(ref[a:a + gh * gw], gh, gw))[0].any(0)
+            ys, xs = torch.nonzero(diff, as_tuple=True)
+            assert len(ys), (key, k)  # erase_prob 1: every image (a rectangle always fits)
+            box = diff[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+            assert box.all(), (key, k)  # one filled rectangle
+            # 2-33% of the area, its sides rounded to whole pixels
+            assert 0.01 <= box.numel() / diff.numel() <= 0.4, (key, k, box.shape)
+
+
+def test_pack_augmentations_shapes_and_kernels_do_not_depend_on_the_draws():
+    """The drawn tensors' shapes follow the config and max_images only, and so do the
+    kernels: a flip, an op or an erasing nobody drew runs the same kernels on the same shapes
+    (a step graph replays one recording for any draw)."""
+    ds, images, s, fields = exact_pack()
+    rows = [t.long() if t.dtype != torch.int32 else t for t in fields[:4]]
+    a = PackAugment(aug(flip=0.5, op_prob=0.5, num_ops=2, color_jitter=0.3, erase_prob=0.5))
+    shapes = {tuple((tuple(t.shape), t.dtype) for t in a.draw(4, (k, 0))) for k in range(20)}
+    assert len(shapes) == 1
+    p = a.draw(4, (0, 0))
+    none = p._replace(flip=torch.zeros_like(p.flip), ops=torch.full_like(p.ops, -1),
+                      erase=torch.zeros_like(p.erase))
+    kernels = []
+    for params in (p, none):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            a.apply(*rows, params)
+        kernels.append([(e.name, str(e.input_shapes)) for e in prof.events()
+                        if e.name.startswith("aten::")])
+    assert kernels[0] == kernels[1]
+    assert torch.equal(a.apply(*rows, none), pack_inputs(fields, "cpu")[0])

@@ -38,13 +38,27 @@ LAYOUTS = {
 }
 
 
+# data.augment on: the crop (in the resize), flip, RandAugment's colour ops, colour jitter and
+# random erasing, all but the crop in the classifier's step
+AUGMENT = ["data.augment.enabled=true", "data.augment.preset=deit", "data.augment.mixup_alpha=0",
+           "data.augment.cutmix_alpha=0", "data.augment.color_jitter=0.2",
+           "data.augment.erase_prob=0.5"]
+STEP_GRAPHS = ["graphs.enabled=true", "graphs.scope=step", "graphs.warmup_steps=1"]
+
+
 def launch_jobs(root) -> dict[int, list]:
     """This module's runs (conftest.launched): in one process the one-process run (saved at
-    step 3 too) and its copy stopped after step 3 and resumed; the layouts at two."""
+    step 3 too) and its copy stopped after step 3 and resumed, the same pair with
+    augmentation (resumed with step graphs); the layouts at two."""
     return {1: [("one", {"args": run_args(root / "one", "checkpoint.every=3",
                                           "checkpoint.keep=5")}),
                 ("resumed", {"args": run_args(root / "resumed"),
                              "resume": {"from": str(root / "one"), "step": 3}}),
+                ("augmented", {"args": run_args(root / "augmented", *AUGMENT,
+                                                "checkpoint.every=3", "checkpoint.keep=5")}),
+                ("augmented-resumed", {"args": run_args(root / "augmented-resumed", *AUGMENT,
+                                                        *STEP_GRAPHS),
+                                       "resume": {"from": str(root / "augmented"), "step": 3}}),
                 ("padded", {"args": run_args(root / "padded", "data.packing.layout=padded",
                                              "train.steps=3")})],
             2: [(name, {"args": run_args(root / name, *extra)}) for name, extra in LAYOUTS.items()]}
@@ -147,3 +161,20 @@ def test_a_native_runs_timm_export_is_naflexvit(runs, tmp_path, capsys):
     model = timm.create_model(cfg["architecture"], pretrained=False,
                               num_classes=cfg["num_classes"], **cfg["model_args"])
     model.load_state_dict(load_file(str(out)), strict=True)
+
+
+def test_augmented_native_steps_in_a_step_graph_resume_onto_the_eager_curve(runs, reference):
+    """data.augment at native resolution runs in the classifier's step (PackAugment.apply in
+    its forward): the run stopped after step 3 and resumed with graphs.scope=step (the CPU
+    rerun backend: step 4 eager, step 5 captured, step 6 replayed with its pack and drawn
+    parameters copied into the graph's inputs) trains the eager run's steps 4-6 exactly (the
+    draws are keyed by step and microbatch, the crops by epoch and image)."""
+    eager = losses(runs["augmented"][0])
+    assert sorted(eager) == list(range(1, STEPS + 1))
+    assert eager != reference  # the augmentation changed the images
+    log = (runs["augmented"][0] / "train.log").read_text()
+    assert "flip 0.5, randaugment 2 ops m9 (std 0.5, p 0.5), colour jitter 0.2, erasing 0.5" \
+        in log
+    resumed = loss_records(runs["augmented-resumed"][0])
+    assert resumed[-1]["graphs_replays"] > 0
+    assert {r["step"]: r["loss"] for r in resumed} == {s: eager[s] for s in (4, 5, 6)}

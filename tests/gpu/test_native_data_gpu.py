@@ -1,6 +1,7 @@
 """GPU: native-resolution packs decoded by nvJPEG and resized and patchified on the device
 (through the prefetcher's side stream) give the CPU path's patches up to resampling and JPEG
-decoder rounding; the per-image augmentation on the device is the CPU's and repeats exactly."""
+decoder rounding; the per-image augmentation on the device is the CPU's, repeats exactly and
+replays in a CUDA graph."""
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from conftest import write_photos
 from vitgraph.data import pack_inputs
 from vitgraph.data.augment import AugmentConfig
 from vitgraph.data.imagefolder import list_classes, read_split_native
-from vitgraph.data.native import PackedLoader
+from vitgraph.data.native import PackAugment, PackedLoader, PackParams, pack_to_device
 from vitgraph.data.packing import PackSpec
 from vitgraph.data.prefetch import Prefetcher
 
@@ -67,3 +68,35 @@ def test_pack_inputs_on_the_device_are_the_cpus_and_repeat_exactly(tmp_path):
         diff = (a[0].cpu() - c[0]).abs()
         assert (diff > 2e-5).float().mean() < 5e-3, key  # an H200: 1.0e-3 (equalize / posterize bins)
         assert all(torch.equal(x.cpu(), y) for x, y in zip(a[1:], c[1:]))
+
+
+def test_pack_augmentation_replays_in_a_cuda_graph(tmp_path):
+    """PackAugment.apply captured once (a host sync or a draw-dependent shape would fail the
+    capture), then replayed with other packs and draws copied into its inputs: the eager
+    pack of each key, bit for bit (the same kernels on the same inputs; equalize's
+    histogram adds whole numbers)."""
+    _photos(tmp_path, n=16)
+    classes = list_classes(str(tmp_path / "train"))
+    ds = read_split_native(str(tmp_path), "train", classes, workers=4, decode="cpu")
+    loader = PackedLoader(ds, SPEC, 1, 0, 1, seed=0)
+    a = PackAugment(AugmentConfig(enabled=True, flip=0.5, op_prob=0.7, num_ops=2,
+                                  color_jitter=0.3, erase_prob=0.5, mixup_alpha=0,
+                                  cutmix_alpha=0), seed=3)
+    dev = torch.device("cuda")
+    static = [*pack_to_device(loader.next_step()[0], dev),
+              *a.draw(SPEC.max_images, (0, 0)).to(dev)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        a.apply(*static[:4], PackParams(*static[5:]))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = a.apply(*static[:4], PackParams(*static[5:]))
+    for step in (1, 2, 3):
+        fields = pack_to_device(loader.next_step()[0], dev)
+        params = a.draw(SPEC.max_images, (step, 0)).to(dev)
+        for buf, t in zip(static, [*fields, *params]):
+            buf.copy_(t)
+        graph.replay()
+        assert torch.equal(out, a.apply(*fields[:4], params)), step

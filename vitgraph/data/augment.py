@@ -156,7 +156,7 @@ def draw_ops(cfg: AugmentConfig, rng: np.random.Generator, n: int, pool: tuple,
     """Per image: [n, slots] op indices into ``table`` (-1: skipped) and signed magnitudes in
     [-1, 1], for ``cfg.auto`` (RandAugment / TrivialAugment pick from ``pool``, the first
     entries of ``table``) and then ``cfg.color_jitter``. Shared by ``BatchAugment`` and the
-    native-resolution packs (vitgraph.data.native.pack_params), each with its own ops."""
+    native-resolution packs (vitgraph.data.native.PackAugment), each with its own ops."""
     table = pool if table is None else table
     ops, mag = np.full((n, 0), -1), np.zeros((n, 0))
     if cfg.auto in ("randaugment", "trivialaugment") and not (
@@ -211,10 +211,11 @@ class AugmentParams(NamedTuple):
         return AugmentParams(*(t.to(device, non_blocking=True) for t in self))
 
 
-def slot_ops(cfg: AugmentConfig) -> tuple:
+def slot_ops(cfg: AugmentConfig, pool: tuple = COLOUR) -> tuple:
     """The colour ops each op slot of ``draw_ops`` can hold under ``cfg`` (geometric ops are
-    folded into the warp): what the device computes for every image of a slot."""
-    colour = tuple(n for n in COLOUR if n != "identity")
+    folded into the warp; ``pool``: the colour ops drawn from, a native pack's fewer): what
+    the device computes for every image of a slot."""
+    colour = tuple(n for n in pool if n != "identity")
     slots = {"randaugment": (colour,) * cfg.num_ops, "trivialaugment": (colour,),
              "3augment": (THREE_AUGMENT,)}.get(cfg.auto, ())
     return slots + ((JITTER,) * len(JITTER) if cfg.color_jitter > 0 else ())
@@ -431,11 +432,17 @@ def _noise(seeds: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     half = (n + 1) // 2
     counter = _hash32(torch.arange(half, device=like.device))
     h = _hash32(counter.view(1, -1) ^ seeds.view(-1, 1))
-    u1 = ((h >> 16) + 1).to(like.dtype) / 65536
-    angle = (h & 0xFFFF).to(like.dtype) * (2 * math.pi / 65536)
-    r = torch.sqrt(-2 * torch.log(u1))
+    r, angle = _normal_polar(h, like.dtype)
     z = torch.cat([r * torch.cos(angle), r * torch.sin(angle)], 1)
     return z[:, :n].reshape(like.shape)
+
+
+def _normal_polar(h: torch.Tensor, dtype) -> tuple:
+    """Box-Muller's radius and angle from 32-bit hashes ``h`` (two 16-bit uniforms each): r cos
+    and r sin are two standard normal values (|z| <= 4.7)."""
+    u1 = ((h >> 16) + 1).to(dtype) / 65536
+    angle = (h & 0xFFFF).to(dtype) * (2 * math.pi / 65536)
+    return torch.sqrt(-2 * torch.log(u1)), angle
 
 
 def _gray(x):

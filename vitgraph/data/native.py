@@ -12,8 +12,12 @@ the packed training loader, the eval packs and the packs' device-side transform.
   and resumed exactly (the images waiting for a pack are part of its state).
 * ``iterate_eval_packs``: the held-out images in fixed order, next-fit into packs, each pack
   on one rank.
+* ``PackAugment``: per-image augmentation of a pack on the device (flip, colour ops, colour
+  jitter, erasing) from fixed-shape draws (``PackParams``), so that a step graph holds it (the
+  classifier applies it in its forward); the random-resized crop is drawn here too
+  (``crop_boxes``) and made by the resize.
 * ``pack_inputs``: one pack as the model takes it on the device, normalised as the fixed path,
-  augmented per image there when training (flip, colour ops).
+  augmented there when training (``PackAugment``, eagerly).
 
 Each image's pixels are its planned grid (``packing.native_grid``) times the patch: decoded
 and resized in the loader's threads (data.decode=cpu) or, for data.decode=cuda, handed over
@@ -28,12 +32,13 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
 
-from vitgraph.data.augment import _rng, draw_ops
+from vitgraph.data.augment import (_constant, _hash32, _normal_polar, _rng, draw_ops,
+                                   slot_ops)
 from vitgraph.data.dataset import DataError
 from vitgraph.data.decode import (EncodedPack, decode_native, finish_pack_on_device,
                                   native_for_device, resize_native)
@@ -602,21 +607,7 @@ def iterate_eval_packs(dataset: NativeDataset, spec: PackSpec, dp_rank: int = 0,
 # sharpness would need the image's neighbouring patches: the crop is the geometric part)
 OPS = ("identity", "autocontrast", "equalize", "brightness", "color", "contrast", "posterize",
        "solarize")
-
-
-def pack_params(cfg, rng: np.random.Generator, m: int):
-    """Per image slot: flip (bool [m]), op indices into ``OPS`` ([m, slots], -1: skipped) and
-    signed magnitudes in [-1, 1], drawn as ``BatchAugment`` draws them (flip, then
-    ``augment.draw_ops``: auto, num_ops, magnitude, magnitude_std, op_prob, color_jitter)."""
-    flip = rng.uniform(0, 1, m) < cfg.flip
-    ops, mag = draw_ops(cfg, rng, m, OPS)
-    return flip, ops, mag
-
-
-def _per_token(values, seg: torch.Tensor, dtype=None) -> torch.Tensor:
-    """A value per image slot (numpy [m]) at every token of its slot (padding: 0)."""
-    v = torch.as_tensor(np.append(values, 0), dtype=dtype).to(seg.device, non_blocking=True)
-    return v[seg]
+ERASE_TRIES = 10  # timm's RandomErasing: the first of 10 tried rectangles that fits
 
 
 def _segment_sum(v: torch.Tensor, cu: torch.Tensor, m: int) -> torch.Tensor:
@@ -681,34 +672,145 @@ def pack_colour(name: str, x: torch.Tensor, m: torch.Tensor, sign: torch.Tensor,
     raise ValueError(name)
 
 
-def augment_pack(x: torch.Tensor, coords: torch.Tensor, seg: torch.Tensor, cu: torch.Tensor,
-                 slots: int, cfg, rng: np.random.Generator) -> torch.Tensor:
-    """Per-image augmentation of a pack's pixels x [T, 3 p^2] in [0, 1] on their device:
-    a horizontal flip (the image's patch columns reversed and each patch mirrored: the
-    patches of the flipped image), then the drawn colour ops (``pack_params``). Fixed shapes;
-    the host reads only its own draws."""
-    t, p = x.shape[0], math.isqrt(x.shape[1] // 3)
-    flip, ops, mag = pack_params(cfg, rng, slots)
-    real = (coords[:, 0] >= 0) & (seg < slots)
-    if flip.any():
-        f = _per_token(flip, seg, torch.bool) & real
+class PackParams(NamedTuple):
+    """One pack's augmentation as drawn on the host (``PackAugment.draw``): tensors whose
+    shapes follow the config and the pack's image slots alone, whatever was drawn, so that a
+    step graph takes them as inputs refilled before each replay (``PackAugment.apply``)."""
+    flip: torch.Tensor  # [M] bool
+    ops: torch.Tensor  # [M, slots] int64: each op slot's op, an ``OPS`` index (-1: none)
+    mag: torch.Tensor  # [M, slots] float32: its signed magnitude in [-1, 1]
+    # [M, 2 x ERASE_TRIES + 2] float64: random erasing's draws, the rectangle made on the
+    # device from the image's size (known there from the pack's coords): the tried areas as
+    # fractions of the image (all 0: no erasing), their log aspects, then top and left in [0, 1)
+    erase: torch.Tensor
+    noise: torch.Tensor  # [M] int64: each image's erasing-noise seed (32 bits)
+
+    def to(self, device) -> "PackParams":
+        return PackParams(*(t.to(device, non_blocking=True) for t in self))
+
+
+def _slot_values(values: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """A value per image slot ([M, ...]) at every token of its slot (padding: 0)."""
+    return torch.cat([values, values.new_zeros((1, *values.shape[1:]))])[seg]
+
+
+def _real(coords: torch.Tensor, seg: torch.Tensor, slots: int) -> torch.Tensor:
+    """[T] bool: the patch tokens of images (not prefix, not padding)."""
+    return (coords[:, 0] >= 0) & (seg < slots)
+
+
+def _normalise(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Pack pixels x [T, 3, p^2] in [0, 1] -> the fixed path's normalisation, zero outside
+    ``real`` (the constants made by fills: a host copy would not be capturable)."""
+    x = (x - _constant(MEAN, x).view(1, 3, 1)) / _constant(STD, x).view(1, 3, 1)
+    return torch.where(real.view(-1, 1, 1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+class PackAugment:
+    """Per-image augmentation of native-resolution packs: host-side draws (``draw``: numpy,
+    keyed by (seed, data-parallel rank, step, microbatch)) and the device function
+    (``apply``: fixed shapes, no host sync, no branch on a drawn value), so that a step graph
+    holds it. The random-resized crop is not here: it is part of the resize that makes each
+    image's pixels (``crop_boxes``; docs/native.md says why)."""
+
+    def __init__(self, cfg, seed: int = 0, rank: int = 0):
+        self.cfg, self.seed, self.rank = cfg, int(seed), int(rank)
+        self.slot_ops = slot_ops(cfg, OPS)
+
+    def draw(self, slots: int, key: tuple) -> PackParams:
+        """Pack ``key``'s draws for ``slots`` image slots (max_images), on the CPU: flip, then
+        ``augment.draw_ops`` from one generator (the draws of the prepare-time code this
+        replaced), erasing from another."""
+        rng = _rng(self.seed, (self.rank, *key), 5)
+        flip = rng.uniform(0, 1, slots) < self.cfg.flip
+        ops, mag = draw_ops(self.cfg, rng, slots, OPS)
+        erase = np.zeros((slots, 2 * ERASE_TRIES + 2))
+        noise = np.zeros(slots, np.int64)
+        if self.cfg.erase_prob > 0:
+            er = _rng(self.seed, (self.rank, *key), 6)
+            area = er.uniform(0.02, 1 / 3, (slots, ERASE_TRIES))
+            logr = er.uniform(math.log(0.3), math.log(1 / 0.3), (slots, ERASE_TRIES))
+            do = er.uniform(0, 1, slots) < self.cfg.erase_prob
+            corner = er.uniform(0, 1, (slots, 2))
+            erase = np.concatenate([np.where(do[:, None], area, 0.0), logr, corner], 1)
+            noise = er.integers(0, 2**32, slots)
+        return PackParams(torch.as_tensor(flip), torch.as_tensor(ops, dtype=torch.int64),
+                          torch.as_tensor(mag, dtype=torch.float32),
+                          torch.as_tensor(erase, dtype=torch.float64),
+                          torch.as_tensor(noise, dtype=torch.int64))
+
+    def apply(self, patches: torch.Tensor, coords: torch.Tensor, seg: torch.Tensor,
+              cu: torch.Tensor, p: PackParams) -> torch.Tensor:
+        """The device function: a pack's uint8 rows [T, 3 q^2] and ``p`` (on their device) ->
+        float32 [T, 3 q^2], normalised, zero on prefix and padding tokens. A flip is a gather
+        of the image's patch columns in reverse and a mirror of each patch (the patches of the
+        flipped image); each colour op runs on every token and ``torch.where`` keeps it for
+        the images that drew it; erasing is a mask made from each image's size in coords."""
+        t, slots = patches.shape[0], p.flip.shape[0]
+        q = math.isqrt(patches.shape[1] // 3)
+        real = _real(coords, seg, slots)
+        f = _slot_values(p.flip, seg) & real
         col, gw = coords[:, 1], coords[:, 3]
-        src = torch.arange(t, device=x.device) + torch.where(f, gw - 1 - 2 * col,
-                                                             torch.zeros_like(col))
-        x = x[src]
-        x = torch.where(f.view(-1, 1), x.view(t, 3, p, p).flip(-1).reshape(t, -1), x)
-    x = x.view(t, 3, p * p)
-    for slot in range(ops.shape[1]):
-        for k, name in enumerate(OPS):
-            chosen = ops[:, slot] == k
-            if name == "identity" or not chosen.any():
-                continue
-            sel = _per_token(chosen, seg, torch.bool) & real
-            m = _per_token(np.abs(mag[:, slot]), seg, x.dtype).view(-1, 1, 1)
-            sg = _per_token(np.sign(mag[:, slot]), seg, x.dtype).view(-1, 1, 1)
-            x = torch.where(sel.view(-1, 1, 1), pack_colour(name, x, m, sg, seg, real, cu, slots),
-                            x)
-    return x.reshape(t, -1)
+        src = torch.arange(t, device=patches.device) + torch.where(f, gw - 1 - 2 * col, 0)
+        x = patches[src]
+        x = torch.where(f.view(-1, 1), x.view(t, 3, q, q).flip(-1).reshape(t, -1), x)
+        x = x.float().div_(255).view(t, 3, q * q)
+        for slot, names in enumerate(self.slot_ops):
+            mag = _slot_values(p.mag[:, slot], seg).view(-1, 1, 1)
+            m, sign = mag.abs(), mag.sign()
+            for name in names:
+                sel = _slot_values(p.ops[:, slot] == OPS.index(name), seg) & real
+                x = torch.where(sel.view(-1, 1, 1),
+                                pack_colour(name, x, m, sign, seg, real, cu, slots), x)
+        x = _normalise(x, real)
+        if self.cfg.erase_prob > 0:
+            x = self._erase(x, coords, seg, real, p, q)
+        return x.reshape(t, -1)
+
+    @staticmethod
+    def _erase(x, coords, seg, real, p: PackParams, q: int) -> torch.Tensor:
+        """timm's RandomErasing (``mode="pixel"``) on each image at its own size: the
+        rectangle drawn as ``BatchAugment`` draws it (the first of the tries that fits), its
+        pixels replaced by normal noise hashed from the image's seed and the pixel's place."""
+        n, e = x.shape[0], _slot_values(p.erase, seg)
+        h, w = coords[:, 2:3] * q, coords[:, 3:4] * q  # the token's image's size in pixels
+        hgt, wid = h.double(), w.double()
+        area = e[:, :ERASE_TRIES] * hgt * wid
+        ratio = e[:, ERASE_TRIES:2 * ERASE_TRIES].exp()
+        eh, ew = (area * ratio).sqrt().round(), (area / ratio).sqrt().round()
+        ok = (eh < hgt) & (ew < wid) & (eh > 0) & (ew > 0)
+        first = ok.int().argmax(1, keepdim=True)
+        eh, ew = eh.gather(1, first), ew.gather(1, first)
+        top = (e[:, -2:-1] * (hgt - eh + 1)).floor()
+        left = (e[:, -1:] * (wid - ew + 1)).floor()
+        do = ok.any(1, keepdim=True) & real.view(-1, 1)
+        at = torch.arange(q, device=x.device)
+        yy = (coords[:, 0:1] * q + at).view(n, 1, q, 1)  # the token's pixels in its image
+        xx = (coords[:, 1:2] * q + at).view(n, 1, 1, q)
+        v = lambda a: a.view(n, 1, 1, 1)  # noqa: E731
+        inside = (v(do) & (yy >= v(top)) & (yy < v(top + eh)) & (xx >= v(left))
+                  & (xx < v(left + ew)))
+        # each value's index in its image's [3, h, w], hashed with the image's seed
+        chan = torch.arange(3, device=x.device).view(1, 3, 1, 1)
+        pixel = (chan * v(h) + yy) * v(w) + xx
+        r, angle = _normal_polar(_hash32(_hash32(pixel) ^ v(_slot_values(p.noise, seg))),
+                                 x.dtype)
+        z = (r * torch.cos(angle)).view_as(x)
+        return torch.where(inside.view(n, 1, q * q), z, x)
+
+
+def pack_to_device(fields: tuple, device) -> tuple:
+    """A raw pack's (patches uint8 [T, 3 p^2], coords int64, seg int64, cu_seqlens int32,
+    labels int64) on ``device``; an ``EncodedPack`` is decoded there first."""
+    patches, coords, seg, cu, labels = fields[:5]
+    device = torch.device(device)
+    if isinstance(patches, EncodedPack):
+        patches = finish_pack_on_device(patches, device)
+    else:
+        patches = patches.to(device, non_blocking=True)
+    return (patches, coords.to(device, non_blocking=True).long(),
+            seg.to(device, non_blocking=True).long(), cu.to(device, non_blocking=True).int(),
+            labels.to(device, non_blocking=True).long())
 
 
 def pack_inputs(fields: tuple, device, augment_cfg=None, key=None, seed: int = 0,
@@ -717,29 +819,17 @@ def pack_inputs(fields: tuple, device, augment_cfg=None, key=None, seed: int = 0
     [T, 4], seg int64 [T], cu_seqlens int32 [S + 1], labels int64 [M][, tokens]). x is the
     fixed path's normalisation ((v / 255 - MEAN) / STD per channel) on patch tokens, zero on
     prefix and padding tokens. With ``augment_cfg`` enabled and a training ``key`` (step,
-    microbatch), each image is flipped and colour-augmented there, drawn from a generator
-    seeded by (seed, dp_rank, step, microbatch) as ``BatchAugment`` seeds its draws."""
-    patches, coords, seg, cu, labels = fields[:5]
-    device = torch.device(device)
-    if isinstance(patches, EncodedPack):
-        patches = finish_pack_on_device(patches, device)
-    else:
-        patches = patches.to(device, non_blocking=True)
-    coords = coords.to(device, non_blocking=True).long()
-    seg = seg.to(device, non_blocking=True).long()
-    cu = cu.to(device, non_blocking=True).int()
-    labels = labels.to(device, non_blocking=True).long()
-    slots = labels.shape[0]
-    x = patches.float().div_(255)
+    microbatch), each image is augmented there, eagerly (``PackAugment``: drawn from (seed,
+    dp_rank, step, microbatch)); the classifier runs the same two functions inside its step
+    instead (vitgraph.tasks.classification.prepare_pack)."""
+    patches, coords, seg, cu, labels = pack_to_device(fields, device)
     if augment_cfg is not None and getattr(augment_cfg, "enabled", False) and key is not None:
-        x = augment_pack(x, coords, seg, cu, slots, augment_cfg,
-                         _rng(seed, (dp_rank, *key), 5))
-    t = x.shape[0]
-    mean = torch.tensor(MEAN, device=device).view(1, 3, 1)
-    std = torch.tensor(STD, device=device).view(1, 3, 1)
-    x = ((x.view(t, 3, -1) - mean) / std).view(t, -1)
-    real = (coords[:, 0] >= 0) & (seg < slots)
-    x = torch.where(real.view(-1, 1), x, torch.zeros((), device=device))
+        a = PackAugment(augment_cfg, seed, dp_rank)
+        x = a.apply(patches, coords, seg, cu, a.draw(labels.shape[0], key).to(patches.device))
+    else:
+        t = patches.shape[0]
+        x = patches.float().div_(255).view(t, 3, -1)
+        x = _normalise(x, _real(coords, seg, labels.shape[0])).view(t, -1)
     out = (x.contiguous(), coords, seg, cu, labels)
     if len(fields) > 5:
         out = (*out, fields[5].to(device, non_blocking=True))

@@ -9,9 +9,10 @@ the device) and the copy back to the bf16 weights. The LR is a device tensor the
 refills before each replay.
 
 Around it, eagerly: the loader's batches are prepared and copied into the static input
-buffers of the graph (a classifier's augmentation is drawn there, as fixed-shape tensors, and
-applied inside the step by the task's forward); the LR schedule runs on the host. Results (loss stats,
-grad norm, step applied) come back as device tensors, read only at log steps.
+buffers of the graph (a classifier's augmentation, fixed resolution or native packs, is drawn
+there, as fixed-shape tensors, and applied inside the step by the task's forward); the LR
+schedule runs on the host. Results (loss stats, grad norm, step applied) come back as device
+tensors, read only at log steps.
 
 The life of a shape (a key: the shapes and dtypes of every microbatch's inputs):
 * the first `warmup_steps` steps of the process run eagerly (DDP buckets, optimizer state

@@ -6,9 +6,11 @@ A training microbatch with data.augment on is (uint8 images, targets, labels, *A
 graph holds the augmentation and takes the drawn parameters as inputs.
 
 At native resolution (plan.pack) a microbatch is one pack (vitgraph.data.packing): prepared
-as (x [T, 3 p^2] normalised and augmented, coords, seg, cu_seqlens, labels [M]) on the
-device, the model's output is one row per image slot, and the loss, top-1 and counts are
-over the slots holding an image (label -1: an empty slot).
+as (x [T, 3 p^2] normalised, coords, seg, cu_seqlens, labels [M]) on the device, or for
+training with data.augment on as (uint8 rows, coords, seg, cu_seqlens, labels, *PackParams),
+``forward`` augmenting the rows first (vitgraph.data.native.PackAugment.apply: inside the
+step, as at fixed resolution); the model's output is one row per image slot, and the loss,
+top-1 and counts are over the slots holding an image (label -1: an empty slot).
 
 With train.distill.teacher (vitgraph.tasks.distill) a training microbatch is prepared with
 the teacher's logits on the same (augmented, mixed) images as a fourth field, on the
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from vitgraph.convert import init_from
 from vitgraph.data.augment import AugmentParams, BatchAugment, prepare_batch
 from vitgraph.data.loader import to_device_uint8
-from vitgraph.data.native import pack_inputs
+from vitgraph.data.native import PackAugment, PackParams, pack_inputs, pack_to_device
 from vitgraph.models import packed as pk
 from vitgraph.models.build import build_model
 from vitgraph.models.vit import vit_flops_per_image, vit_flops_per_token
@@ -38,6 +40,7 @@ class ClassificationTask(Task):
         self.arch = plan.arch
         self.image_size = self.arch.image_size
         self.augment = None
+        self.pack_augment = None  # native resolution: a pack's per-image augmentation
         self.pack = getattr(plan, "pack", None)
         self.flops_per_token = (0.0, 0.0)  # native: (per token, per token pair); see pack_flops
         self.teacher = None
@@ -50,6 +53,8 @@ class ClassificationTask(Task):
             self.augment = BatchAugment(plan.data.augment, self.image_size, self.num_classes,
                                         plan.train.label_smoothing, plan.train.seed,
                                         self.d.dp_rank)
+        if plan.data.augment.enabled and self.pack is not None:
+            self.pack_augment = PackAugment(plan.data.augment, plan.train.seed, self.d.dp_rank)
         if plan.distill is not None:
             self.extra_stats = ("loss_task", "loss_distill")
             self.teacher = build_teacher(plan.distill, plan, self.d, self.num_classes)
@@ -104,7 +109,8 @@ class ClassificationTask(Task):
 
     def prepare(self, raw, key, device, first_stage):
         if self.pack is not None:
-            return prepare_pack(raw, key, device, first_stage, self.plan, self.d)
+            return prepare_pack(raw, key, device, first_stage, self.plan, self.d,
+                                self.pack_augment)
         images, labels = raw[0], raw[1]
         # the loss's stage distills: it makes the images too (the same augmentation: keyed)
         distill = self.teacher is not None and key is not None and self.d.is_last_stage
@@ -142,6 +148,9 @@ class ClassificationTask(Task):
 
     def forward(self, model, inputs):
         if self.pack is not None:
+            if len(inputs) > 5:  # uint8 rows and their PackParams (prepare_pack)
+                x = self.pack_augment.apply(*inputs[:4], PackParams(*inputs[5:]))
+                return model(x, *inputs[1:4])
             return model(*inputs[:4])
         if len(inputs) > 4:  # uint8 images and their AugmentParams (_prepare_augmented)
             return model(self.augment.apply(inputs[0], AugmentParams(*inputs[3:])))
@@ -149,7 +158,7 @@ class ClassificationTask(Task):
 
     def loss(self, inputs, output):
         if self.pack is not None:
-            return self._pack_loss(inputs[-1], output)
+            return self._pack_loss(inputs[4], output)
         _, targets, labels = inputs[:3]
         output = output.float()
         student = output  # what the distillation loss reads
@@ -199,11 +208,17 @@ class ClassificationTask(Task):
                 "eval_images": int(n)}
 
 
-def prepare_pack(raw, key, device, first_stage: bool, plan, d) -> tuple:
+def prepare_pack(raw, key, device, first_stage: bool, plan, d,
+                 augment: PackAugment | None = None) -> tuple:
     """One raw pack (patches, coords, seg, cu_seqlens, labels, ...) as the packed model takes
     it on ``device``: (x or None on a later pipeline stage, coords, seg, cu_seqlens, labels,
     ...). The patches are normalised and, for a training ``key``, augmented per image by
-    vitgraph.data.native.pack_inputs."""
+    vitgraph.data.native.pack_inputs; with ``augment`` (a classifier's, a training ``key``,
+    the first stage) they stay uint8 and the pack's drawn ``PackParams`` follow the labels,
+    for the task's forward to augment inside the step."""
+    if first_stage and augment is not None and key is not None:
+        fields = pack_to_device(raw[:5], device)
+        return (*fields, *augment.draw(fields[4].shape[0], key).to(device))
     if first_stage:
         out = tuple(pack_inputs(raw[:5], device, plan.data.augment, key, plan.train.seed,
                                 d.dp_rank))[:5]
