@@ -139,12 +139,52 @@ def test_freezing_the_tower_or_the_language_model(dist1):
     assert plan_of("lm.freeze_lm=true").freeze == (("lm.freeze_lm", "language_model.*"),)
 
 
+def test_the_tower_trains_at_its_lr_scale(dist1):
+    """lm.tower_lr_scale: the tower's param groups anneal between optim.lr / min_lr x the
+    scale, the projector's and the language model's at optim.lr; AdamW's first step moves the
+    tower's weights by the scale times what it moves them at scale 1, the rest by the same."""
+    from vitgraph.train.optim import CpuOptimizer, build_scheduler, lr_scales, optim_line
+    task, _ = task_and_model(dist1)
+    tokens, labels = task.tokenizer(CAPTIONS), torch.tensor([4, 7, 0])
+    images = torch.randn(3, 3, 32, 32)
+    moved = {}
+    for scale in (1.0, 0.25):
+        plan = plan_of(f"lm.tower_lr_scale={scale}", "optim.warmup_steps=0")
+        _, model = task_and_model(dist1)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = CpuOptimizer([model], plan.optim, plan.lr_rules)
+        sched = build_scheduler(opt, plan.optim, 10)
+        sched.step(1)
+        tower = {id(p) for p in model.visual.parameters()}
+        for g in opt.param_groups:
+            for p in g["params"]:
+                want = scale if id(p) in tower else 1.0
+                assert g["max_lr"] == pytest.approx(plan.optim.lr * want)
+                assert g["min_lr"] == pytest.approx(plan.optim.min_lr * want)
+            assert g["lr"] == pytest.approx(sched.get_lr(g))
+        loss, _ = task.loss((images, tokens, labels), model(images, tokens))
+        loss.backward()
+        opt.step()
+        moved[scale] = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    for name, full in moved[1.0].items():
+        want = 0.25 * full if name.startswith("visual.") else full
+        # (weights near 1 keep a step to float32 rounding)
+        torch.testing.assert_close(moved[0.25][name], want, rtol=1e-3, atol=1e-6, msg=name)
+    assert any(d.abs().sum() > 0 for n, d in moved[0.25].items() if n.startswith("visual."))
+    plan = plan_of("lm.tower_lr_scale=0.25")
+    _, model = task_and_model(dist1)
+    assert "lm.tower_lr_scale 0.25 (visual.* at lr x 0.25)" in optim_line(
+        plan.optim, lr_scales([model], None, plan.lr_rules), plan.lr_rules)
+
+
 @pytest.mark.parametrize("overrides,key,why", [
     (["parallel.tp=2"], "parallel.tp", "tp=1, pp=1"),
     (["model.name=clip_tiny_patch4_32"], "model.name", "not an image-text pair"),
     (["lm.num_heads=3"], "lm.num_heads", "not divisible"),
     (["lm.freeze_tower=true", "lm.freeze_lm=true"], "lm.freeze_lm", "only the projector"),
     (["lm.tokenizer=words"], "lm.tokenizer", "bpe, byte"),
+    (["lm.tower_lr_scale=-0.1"], "lm.tower_lr_scale", ">= 0"),
+    (["lm.freeze_tower=true", "lm.tower_lr_scale=0.1"], "lm.tower_lr_scale", "no lr to scale"),
     (["data.captions=long"], "data.captions", "short, shape_first"),
     (["data.resolution=native", "train.micro_batch_size=1"], "data.resolution",
      "fixed-size"),

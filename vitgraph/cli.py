@@ -270,10 +270,11 @@ def _params(args) -> int:
         return 2
     from vitgraph.parallel.setup import shutdown
     from vitgraph.models.freeze import global_names
+    from vitgraph.plan import lr_rules
     from vitgraph.train.optim import _no_decay, lr_scales
     try:
         chunks, _ = single_process_chunks(cfg, cfg.model.num_classes or _class_count(cfg.data))
-        scales = lr_scales(chunks, cfg.optim.layer_decay)
+        scales = lr_scales(chunks, cfg.optim.layer_decay, lr_rules(cfg))
         names = global_names(chunks[0])
         rows = [(names[id(p)], "x".join(map(str, p.shape)) or "scalar", p.numel(),
                  scales[id(p)], not _no_decay(names[id(p)], p), p.requires_grad)

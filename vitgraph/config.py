@@ -494,6 +494,10 @@ class LMConfig:
     # megatron-core's MultimodalProjector: mlp (two linears, GELU) | affine (one linear)
     projector: str = key("mlp", choices=("mlp", "affine"))
     freeze_tower: bool = False  # the vision tower gets no gradient and no optimizer state
+    # the vision tower's lr: optim.lr (and optim.min_lr) x this, through the optimizer's param
+    # groups; the projector and the language model at optim.lr. 0 is not a freeze: the tower
+    # still gets gradients and optimizer state, its weights stay (lm.freeze_tower freezes it)
+    tower_lr_scale: float = key(1.0, min=0)
     freeze_lm: bool = False  # the language model likewise (the projector always trains)
 
 
@@ -901,6 +905,9 @@ def _validate_caption(cfg: Config, err) -> None:
     if lm.freeze_tower and lm.freeze_lm:
         err("lm.freeze_lm", True, "with lm.freeze_tower only the projector would train: "
             "freeze one of them at most")
+    if lm.freeze_tower and lm.tower_lr_scale != 1.0:
+        err("lm.tower_lr_scale", lm.tower_lr_scale, "lm.freeze_tower leaves the tower out of "
+            "the optimizer: it has no lr to scale")
     if cfg.data.augment.mixes:
         err("data.augment.mixup_alpha", cfg.data.augment.mixup_alpha, "mixup / cutmix mix "
             "class labels; captions have none to mix: set data.augment.mixup_alpha=0 "

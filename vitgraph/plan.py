@@ -102,6 +102,9 @@ class Plan:
     # (config key, fnmatch pattern) rules of the parameters left out of training
     # (model.freeze, task.lock_image), applied by vitgraph.parallel.setup.parallelize
     freeze: tuple
+    # (config key, fnmatch pattern, lr multiplier) rules of parameters trained at a scaled lr
+    # (lm.tower_lr_scale), applied with optim.layer_decay by vitgraph.train.optim
+    lr_rules: tuple
     ema: EMAConfig | None  # train.ema; None: no EMA of the weights
     distill: DistillConfig | None  # train.distill; None: no teacher
     contrastive: Contrastive | None  # an image-text run's task settings
@@ -198,7 +201,8 @@ def resolve(cfg: Config, world_size: int) -> Plan:
                 graphs=graphs, world=world_size, dp=world_size // (p.tp * p.pp), cuda=cuda,
                 p2p=p2p, pack=pack, pack_layout=pack_layout, pos_interp=pos_interp,
                 recompute=recompute, fsdp=p.fsdp,
-                freeze=freeze, ema=t.ema if t.ema.decay is not None else None,
+                freeze=freeze, lr_rules=lr_rules(cfg),
+                ema=t.ema if t.ema.decay is not None else None,
                 distill=t.distill if t.distill.teacher else None, contrastive=contrastive,
                 caption=resolve_caption(cfg) if kind == "caption" else None,
                 model=m, data=cfg.data, optim=cfg.optim, train=t, parallel=p,
@@ -328,6 +332,14 @@ def freeze_rules(cfg: Config) -> tuple:
         if cfg.lm.freeze_lm:
             rules.append(("lm.freeze_lm", LANGUAGE_MODEL))
     return tuple(rules)
+
+
+def lr_rules(cfg: Config) -> tuple:
+    """(config key, fnmatch pattern, lr multiplier) of the parameters trained at a scaled lr:
+    a caption run's vision tower at lm.tower_lr_scale (vitgraph.models.caption.TOWER)."""
+    if task_kind(cfg) == "caption" and cfg.lm.tower_lr_scale != 1.0:
+        return (("lm.tower_lr_scale", TOWER, cfg.lm.tower_lr_scale),)
+    return ()
 
 
 def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:
