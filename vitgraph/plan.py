@@ -35,8 +35,7 @@ from vitgraph.models.registry import (CLIPArch, ViTArch, resolve_arch, resolve_c
                                       resolve_pos_interp)
 from vitgraph.models.specs import THD_HEAD_DIMS, resolve_spec
 from vitgraph.models.vit import sequence_length
-from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
-from vitgraph.text.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
+from vitgraph.text import tokenizer_kind, tokenizer_vocab_size
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class Caption:
     ffn_hidden_size: int
     init_std: float
     text_length: int  # text positions: BOS, caption, EOS, padding
-    tokenizer: str  # bpe | byte
+    tokenizer: str  # bpe | byte | hf:<name or folder>
     vocab_size: int  # the tokenizer's
     projector: str  # mlp | affine
 
@@ -315,7 +314,7 @@ def resolve_caption(cfg: Config) -> Caption:
     return Caption(num_layers=lm.num_layers, hidden_size=lm.hidden_size,
                    num_heads=lm.num_heads, ffn_hidden_size=lm.ffn_hidden_size or 4 * lm.hidden_size,
                    init_std=lm.init_std, text_length=lm.text_length, tokenizer=lm.tokenizer,
-                   vocab_size=BPE_VOCAB_SIZE if lm.tokenizer == "bpe" else BYTE_VOCAB_SIZE,
+                   vocab_size=tokenizer_vocab_size(lm.tokenizer),
                    projector=lm.projector)
 
 
