@@ -48,11 +48,12 @@ def load(name: str):
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # (OSError when not there; other types from a broken folder)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"no tokenizer {name!r} in the local Hugging Face cache or as a "
-                           f"folder (nothing is downloaded: fetch it first, e.g. "
-                           f"`huggingface-cli download {name}`; {first})") from None
+                           f"folder (nothing is downloaded: fetch it first, e.g. `hf "
+                           f"download {name}`, or save_pretrained it to a folder; "
+                           f"{type(e).__name__}: {first})") from None
     added = {}
     if tok.bos_token_id is None and tok.cls_token_id is None:
         added["bos_token"] = ADDED_BOS
