@@ -306,13 +306,19 @@ def test_the_whole_vlm_exports_and_a_run_starts_from_it(trained, tmp_path, capsy
 
 def test_training_from_image_text_shards_with_a_transformers_tokenizer(tmp_path, capsys):
     """task.kind=caption from WebDataset shards (jpg + txt: scripts/make_shards.py
-    --captions, the class name as caption) with lm.tokenizer=hf:<folder> (a tokenizer saved
-    in tmp): the captions are the shards' texts, the vocabulary the tokenizer's, and the
-    eval JSON has the caption loss, perplexity, class-word accuracy and its chance."""
+    --captions, the class name as caption; the training pairs without their cls, as
+    image-text data comes) with lm.tokenizer=hf:<folder> (a tokenizer saved in tmp): the
+    captions are the shards' texts, the vocabulary the tokenizer's, unlabelled pairs train,
+    and the eval JSON has the caption loss, perplexity, class-word accuracy and its chance."""
     from conftest import write_hf_tokenizer
     from test_data import _make_shards, _shapes_folder
     src = _shapes_folder(tmp_path / "folder", n_train=24, n_val=8, classes=3, size=32)
     shards = _make_shards(src, tmp_path / "shards", "--shard-size", "8", "--captions")
+    index = json.loads((shards / "index.json").read_text())
+    for shard in index["splits"]["train"]:
+        for sample in shard["samples"]:
+            del sample["cls"]
+    (shards / "index.json").write_text(json.dumps(index))
     classes = sorted(p.name for p in (src / "train").iterdir())
     tok = write_hf_tokenizer(tmp_path / "tok", classes, bos_token="<s>", eos_token="</s>",
                              pad_token="<pad>")
@@ -325,6 +331,8 @@ def test_training_from_image_text_shards_with_a_transformers_tokenizer(tmp_path,
     assert main(["train", str(VLM), *over]) == 0, capsys.readouterr().err[-3000:]
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["step"] == 4 and metrics["eval_images"] == 8
+    records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    assert all(x["loss"] > 0 for x in records if "loss" in x)  # the text tokens counted
     assert metrics["eval_class_word_chance"] == pytest.approx(1 / 3)
     assert 0 <= metrics["eval_class_word_accuracy"] <= 1
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_caption_loss"]))
