@@ -406,7 +406,9 @@ def _export(args) -> int:
         return 2
     print(f"{written}: {what}")
     for side in texts:
-        print(f"{side}: written beside them ({fmt}'s loaders read it from the folder)")
+        why = ("the caption model's geometry and tokenizer, also in the weights' metadata"
+               if fmt == "vitgraph" else f"{fmt}'s loaders read it from the folder")
+        print(f"{side}: written beside them ({why})")
     return 0
 
 
