@@ -382,3 +382,21 @@ def import_open_clip():
     installed."""
     return pytest.importorskip("open_clip", reason="open_clip_torch is not installed "
                                                    "(pip install -e .[test])")
+
+
+def write_hf_tokenizer(folder: Path, texts: list[str], **special) -> Path:
+    """A small byte-level BPE ``PreTrainedTokenizerFast`` trained on ``texts`` and saved to
+    ``folder`` (``save_pretrained``): a transformers tokenizer made offline. ``special``:
+    its bos_token / eos_token / pad_token ..., each also a special token of its vocabulary."""
+    pytest.importorskip("transformers", reason="transformers is not installed "
+                                               "(pip install -e .[test])")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=sorted(set(special.values())), show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(folder)
+    return folder

@@ -70,7 +70,7 @@ def test_logits_are_gptmodels_at_the_text_and_the_loss_counts_text_only(dist1, t
     padded[tokens == task.tokenizer.pad_id] = 100  # the padding after EOS, another id
     torch.testing.assert_close(task.loss((images, padded, labels), model(images, padded))[0],
                                loss, rtol=1e-5, atol=1e-5)
-    fill = torch.tensor([4, -1, 0])  # a sample that only fills an eval microbatch up
+    fill = torch.tensor([4, task.fill_label, -1])  # a filler sample; an unlabelled pair trains
     assert task.loss((images, tokens, fill), logits)[1][2].item() == lengths[0] + lengths[2]
     loss.backward()
     for part in (model.visual, model.projector, model.language_model):
@@ -139,12 +139,52 @@ def test_freezing_the_tower_or_the_language_model(dist1):
     assert plan_of("lm.freeze_lm=true").freeze == (("lm.freeze_lm", "language_model.*"),)
 
 
+def test_the_tower_trains_at_its_lr_scale(dist1):
+    """lm.tower_lr_scale: the tower's param groups anneal between optim.lr / min_lr x the
+    scale, the projector's and the language model's at optim.lr; AdamW's first step moves the
+    tower's weights by the scale times what it moves them at scale 1, the rest by the same."""
+    from vitgraph.train.optim import CpuOptimizer, build_scheduler, lr_scales, optim_line
+    task, _ = task_and_model(dist1)
+    tokens, labels = task.tokenizer(CAPTIONS), torch.tensor([4, 7, 0])
+    images = torch.randn(3, 3, 32, 32)
+    moved = {}
+    for scale in (1.0, 0.25):
+        plan = plan_of(f"lm.tower_lr_scale={scale}", "optim.warmup_steps=0")
+        _, model = task_and_model(dist1)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = CpuOptimizer([model], plan.optim, plan.lr_rules)
+        sched = build_scheduler(opt, plan.optim, 10)
+        sched.step(1)
+        tower = {id(p) for p in model.visual.parameters()}
+        for g in opt.param_groups:
+            for p in g["params"]:
+                want = scale if id(p) in tower else 1.0
+                assert g["max_lr"] == pytest.approx(plan.optim.lr * want)
+                assert g["min_lr"] == pytest.approx(plan.optim.min_lr * want)
+            assert g["lr"] == pytest.approx(sched.get_lr(g))
+        loss, _ = task.loss((images, tokens, labels), model(images, tokens))
+        loss.backward()
+        opt.step()
+        moved[scale] = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    for name, full in moved[1.0].items():
+        want = 0.25 * full if name.startswith("visual.") else full
+        # (weights near 1 keep a step to float32 rounding)
+        torch.testing.assert_close(moved[0.25][name], want, rtol=1e-3, atol=1e-6, msg=name)
+    assert any(d.abs().sum() > 0 for n, d in moved[0.25].items() if n.startswith("visual."))
+    plan = plan_of("lm.tower_lr_scale=0.25")
+    _, model = task_and_model(dist1)
+    assert "lm.tower_lr_scale 0.25 (visual.* at lr x 0.25)" in optim_line(
+        plan.optim, lr_scales([model], None, plan.lr_rules), plan.lr_rules)
+
+
 @pytest.mark.parametrize("overrides,key,why", [
     (["parallel.tp=2"], "parallel.tp", "tp=1, pp=1"),
     (["model.name=clip_tiny_patch4_32"], "model.name", "not an image-text pair"),
     (["lm.num_heads=3"], "lm.num_heads", "not divisible"),
     (["lm.freeze_tower=true", "lm.freeze_lm=true"], "lm.freeze_lm", "only the projector"),
     (["lm.tokenizer=words"], "lm.tokenizer", "bpe, byte"),
+    (["lm.tower_lr_scale=-0.1"], "lm.tower_lr_scale", ">= 0"),
+    (["lm.freeze_tower=true", "lm.tower_lr_scale=0.1"], "lm.tower_lr_scale", "no lr to scale"),
     (["data.captions=long"], "data.captions", "short, shape_first"),
     (["data.resolution=native", "train.micro_batch_size=1"], "data.resolution",
      "fixed-size"),
@@ -216,4 +256,86 @@ def test_eval_writes_caption_loss_perplexity_and_class_word_accuracy(trained, ca
     written = json.loads((run / "eval-20.json").read_text())
     for key in ("eval_caption_loss", "eval_perplexity", "eval_class_word_accuracy"):
         assert written[key] == pytest.approx(metrics[key], rel=1e-5), key
+    assert written["eval_class_word_chance"] == metrics["eval_class_word_chance"] == 0.1
 
+
+def test_the_whole_vlm_exports_and_a_run_starts_from_it(trained, tmp_path, capsys):
+    """export --format vitgraph of a caption run: every tensor of the tower, the projector
+    and the language model, with config.json naming the geometry and the tokenizer;
+    model.init_from of that file gives a caption run (another seed) the trained model's
+    logits, bit for bit (the reference loads the checkpoint's tensors by torch's
+    load_state_dict); a run of another geometry is refused, naming the tensor."""
+    from vitgraph.convert import ConvertError, read_checkpoint_weights
+    from vitgraph.convert.checkpoints import checkpoint_dir
+    from vitgraph.parallel.setup import init_distributed, shutdown
+    code, run = trained
+    assert code == 0
+    out = tmp_path / "vlm" / "model.safetensors"
+    assert main(["export", str(run), "--format", "vitgraph", "--out", str(out)]) == 0
+    config = json.loads((out.parent / "config.json").read_text())
+    assert config["tokenizer"] == "byte" and config["text_length"] == 32
+    assert config["model"]["name"] == "vit_pico_patch4_32" and config["image_tokens"] == 65
+    assert config["language_model"] == {"num_layers": 1, "hidden_size": 64, "num_heads": 4,
+                                        "ffn_hidden_size": 256, "vocab_size": 259,
+                                        "positions": 97}
+    assert main(["export", str(run), "--format", "timm", "--out", str(tmp_path / "t.st")]) == 2
+    assert "vitgraph (the whole model) or hf" in capsys.readouterr().err
+    plan = plan_of(f"model.init_from={out}", "train.seed=1")
+    d = init_distributed(plan)
+    try:
+        task = CaptionTask(plan, d)
+        loaded = task.build_model()[0].eval()
+        fresh = task.build_model(with_init_from=False)[0].eval()
+        ref = CaptionTask(plan_of(), d).build_model()[0].eval()
+        sd, _ = read_checkpoint_weights(checkpoint_dir(run))
+        missing, unexpected = ref.load_state_dict(sd, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+        images = torch.randn(4, 3, 32, 32)
+        tokens = make_tokenizer("byte", 259, 32)(CAPTIONS + ["a star"])
+        with torch.no_grad():
+            got = loaded(images, tokens)
+            assert torch.equal(got, ref(images, tokens))
+            assert not torch.allclose(got, fresh(images, tokens))
+        other = CaptionTask(plan_of(f"model.init_from={out}", "lm.text_length=16"), d)
+        with pytest.raises(ConvertError, match="position_embeddings.*lm"):
+            other.build_model()
+    finally:
+        shutdown()
+
+
+
+def test_training_from_image_text_shards_with_a_transformers_tokenizer(tmp_path, capsys):
+    """task.kind=caption from WebDataset shards (jpg + txt: scripts/make_shards.py
+    --captions, the class name as caption; the training pairs without their cls, as
+    image-text data comes) with lm.tokenizer=hf:<folder> (a tokenizer saved in tmp): the
+    captions are the shards' texts, the vocabulary the tokenizer's, unlabelled pairs train,
+    and the eval JSON has the caption loss, perplexity, class-word accuracy and its chance."""
+    from conftest import write_hf_tokenizer
+    from test_data import _make_shards, _shapes_folder
+    src = _shapes_folder(tmp_path / "folder", n_train=24, n_val=8, classes=3, size=32)
+    shards = _make_shards(src, tmp_path / "shards", "--shard-size", "8", "--captions")
+    index = json.loads((shards / "index.json").read_text())
+    for shard in index["splits"]["train"]:
+        for sample in shard["samples"]:
+            del sample["cls"]
+    (shards / "index.json").write_text(json.dumps(index))
+    classes = sorted(p.name for p in (src / "train").iterdir())
+    tok = write_hf_tokenizer(tmp_path / "tok", classes, bos_token="<s>", eos_token="</s>",
+                             pad_token="<pad>")
+    run = tmp_path / "run"
+    over = tiny_overrides(run, steps=4, **{
+        "data.kind": "webdataset", "data.path": str(shards),
+        "data.captions": "full", "lm.tokenizer": f"hf:{tok}",
+        "lm.text_length": 8, "train.global_batch_size": 8, "train.micro_batch_size": 8,
+        "train.eval_batch_size": 8, "train.eval_every": 4})
+    assert main(["train", str(VLM), *over]) == 0, capsys.readouterr().err[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["step"] == 4 and metrics["eval_images"] == 8
+    records = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    assert all(x["loss"] > 0 for x in records if "loss" in x)  # the text tokens counted
+    assert metrics["eval_class_word_chance"] == pytest.approx(1 / 3)
+    assert 0 <= metrics["eval_class_word_accuracy"] <= 1
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_caption_loss"]))
+    log = (run / "train.log").read_text()
+    vocab = make_tokenizer(f"hf:{tok}", 0, 8).vocab_size
+    assert f"{vocab} hf:{tok} ids" in log

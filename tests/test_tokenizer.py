@@ -86,3 +86,69 @@ def test_auto_picks_bpe_for_clips_vocabulary_and_bytes_otherwise():
     assert isinstance(make_tokenizer("byte", 49408, 77), ByteTokenizer)
     if not bpe.available():
         assert isinstance(make_tokenizer("auto", 49408, 77), bpe.BPETokenizer)
+
+
+# ---------------------------------------------------------------- transformers tokenizers (hf:)
+
+HF_TEXTS = ["star, large white", "circle, small dark blue", "a large white star", "l-shape"]
+
+
+def test_hf_tokenizer_lays_out_bos_caption_eos_pad_offline(tmp_path, monkeypatch):
+    from conftest import write_hf_tokenizer
+    from vitgraph.text import make_tokenizer, tokenizer_vocab_size
+    folder = write_hf_tokenizer(tmp_path / "tok", HF_TEXTS, bos_token="<s>", eos_token="</s>",
+                                pad_token="<pad>")
+
+    def no_network(*a, **k):
+        raise OSError("network disabled in this test")
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    tok = make_tokenizer(f"hf:{folder}", 0, 8)
+    ref = tok.tok
+    assert (tok.sot_id, tok.eot_id, tok.pad_id) == (ref.bos_token_id, ref.eos_token_id,
+                                                     ref.pad_token_id)
+    assert tok.vocab_size == len(ref) == tokenizer_vocab_size(f"hf:{folder}")
+    ids = tok(["star, large white", "a large white star on a dark blue circle, small"])
+    body = ref("star, large white", add_special_tokens=False)["input_ids"]
+    assert ids[0].tolist()[:len(body) + 2] == [tok.sot_id, *body, tok.eot_id]
+    assert set(ids[0].tolist()[len(body) + 2:]) <= {tok.pad_id}
+    assert ids[1, 0] == tok.sot_id and ids[1, -1] == tok.eot_id  # cut, ending in EOS
+    assert tok.decode(ids[0]) == "star, large white"
+
+
+def test_hf_tokenizer_without_special_tokens_gets_them_added(tmp_path):
+    """No BOS / EOS: <|bos|> and <|eos|> are added after the vocabulary; no pad: EOS pads.
+    GPT-2's layout (BOS = EOS) loses no target: the loss starts after BOS."""
+    from conftest import write_hf_tokenizer
+    from vitgraph.tasks.caption import IGNORE, text_targets
+    from vitgraph.text.hf import ADDED_BOS, ADDED_EOS, HFTokenizer
+    bare = write_hf_tokenizer(tmp_path / "bare", HF_TEXTS, unk_token="<unk>")
+    tok = HFTokenizer(str(bare), 12)
+    assert tok.tok.convert_ids_to_tokens([tok.sot_id, tok.eot_id]) == [ADDED_BOS, ADDED_EOS]
+    assert tok.vocab_size == len(tok.tok) and tok.eot_id >= tok.vocab_size - 2
+    assert tok.pad_id == tok.eot_id
+    gpt2 = HFTokenizer(str(write_hf_tokenizer(tmp_path / "gpt2", HF_TEXTS,
+                                              bos_token="<|endoftext|>",
+                                              eos_token="<|endoftext|>")), 12)
+    assert gpt2.sot_id == gpt2.eot_id == gpt2.pad_id
+    ids = gpt2(["l-shape"])
+    n = len(gpt2.encode("l-shape")) - 1  # the caption's ids and EOS
+    targets = text_targets(ids, gpt2.eot_id)
+    assert (targets[0, :n] != IGNORE).all() and (targets[0, n:] == IGNORE).all()
+
+
+@pytest.mark.parametrize("missing", ["name", "transformers"])
+def test_hf_tokenizer_not_here_is_a_config_error(tmp_path, monkeypatch, missing):
+    from conftest import ROOT
+    from vitgraph.config import ConfigError, load_config
+    from vitgraph.text import hf
+    name = str(tmp_path / "nowhere")
+    if missing == "transformers":
+        find = hf.importlib.util.find_spec
+        monkeypatch.setattr(hf.importlib.util, "find_spec",
+                            lambda n, *a: None if n == "transformers" else find(n, *a))
+    hf.load.cache_clear()
+    with pytest.raises(ConfigError, match="lm.tokenizer") as e:
+        load_config(ROOT / "configs" / "vlm-tiny-shapes.yaml", [f"lm.tokenizer=hf:{name}"])
+    assert ("pip install transformers" if missing == "transformers" else
+            "local Hugging Face cache") in str(e.value)

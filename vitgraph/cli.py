@@ -93,7 +93,9 @@ def _add_export(sub) -> None:
                                     "towers and pairs, not classifiers; hf of a task.kind: "
                                     "caption run: its vision tower as transformers' "
                                     "SiglipVisionModel, or Siglip2VisionModel where the tower "
-                                    "is NaFlex-like).")
+                                    "is NaFlex-like; vitgraph of a caption run: the whole "
+                                    "model, tower, projector and language model, with "
+                                    "config.json beside it).")
     ex.add_argument("run_dir")
     ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "timm_naflex", "hf", "open_clip"),
                     help="timm of a data.resolution=native run writes timm's NaFlexVit names "
@@ -270,10 +272,11 @@ def _params(args) -> int:
         return 2
     from vitgraph.parallel.setup import shutdown
     from vitgraph.models.freeze import global_names
+    from vitgraph.plan import lr_rules
     from vitgraph.train.optim import _no_decay, lr_scales
     try:
         chunks, _ = single_process_chunks(cfg, cfg.model.num_classes or _class_count(cfg.data))
-        scales = lr_scales(chunks, cfg.optim.layer_decay)
+        scales = lr_scales(chunks, cfg.optim.layer_decay, lr_rules(cfg))
         names = global_names(chunks[0])
         rows = [(names[id(p)], "x".join(map(str, p.shape)) or "scalar", p.numel(),
                  scales[id(p)], not _no_decay(names[id(p)], p), p.requires_grad)
@@ -403,18 +406,31 @@ def _export(args) -> int:
         return 2
     print(f"{written}: {what}")
     for side in texts:
-        print(f"{side}: written beside them ({fmt}'s loaders read it from the folder)")
+        why = ("the caption model's geometry and tokenizer, also in the weights' metadata"
+               if fmt == "vitgraph" else f"{fmt}'s loaders read it from the folder")
+        print(f"{side}: written beside them ({why})")
     return 0
 
 
 def _export_weights(args, run_dir: Path, raw: dict, model_cfg, sd: dict):
     """(the weights under ``args.format``'s names, {side file: content, "meta": safetensors
     metadata}, the format written, what the command says they are)."""
-    from vitgraph.convert import export_files, from_vitgraph
+    from vitgraph.convert import ConvertError, export_files, from_vitgraph, vlm
     from vitgraph.convert.naflex import export_format
     from vitgraph.models.registry import CLIP_MODELS, resolve_arch
     native = (raw.get("data") or {}).get("resolution") == "native"
-    if args.format == "hf" and (raw.get("task") or {}).get("kind") == "caption":
+    caption = (raw.get("task") or {}).get("kind") == "caption"
+    if caption and args.format == "vitgraph":  # the whole VLM, its geometry beside it
+        out = from_vitgraph(sd, "vitgraph", 0)
+        config = vlm.vlm_config(out, model_cfg, raw.get("lm") or {})
+        meta = {"preprocessing": export_files.preprocessing(resolve_arch(model_cfg).image_size),
+                vlm.META_KEY: config}
+        return out, {"config.json": config, "meta": meta}, "vitgraph", (
+            "the whole caption model: tower, projector and language model (vitgraph names)")
+    if caption and args.format != "hf":
+        raise ConvertError(f"--format {args.format} of a task.kind: caption run: vitgraph "
+                           f"(the whole model) or hf (its vision tower)")
+    if args.format == "hf" and caption:
         out, sidecars, cls = export_files.hf_vision_export(sd, model_cfg, native)
         sidecars["meta"] = {"preprocessing": export_files.preprocessing(
             resolve_arch(model_cfg).image_size)}

@@ -27,8 +27,9 @@ from vitgraph.data.native import pack_spec
 from vitgraph.graphs.config import GraphsConfig
 from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch
 from vitgraph.models.specs import te_available
-from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
+from vitgraph.text import BPE_VOCAB_SIZE, hf_name, tokenizer_kind
 from vitgraph.text.bpe import available
+from vitgraph.text.hf import problem as hf_problem
 from vitgraph.text.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
 
 
@@ -488,12 +489,19 @@ class LMConfig:
     init_std: float = key(0.02, above=0)
     # text positions: BOS, the caption, EOS, padding; longer captions are cut, keeping EOS
     text_length: int = key(16, min=3)
-    # bpe (OpenAI CLIP's BPE, 49,408 ids) | byte (vitgraph's byte-level ids, 259); the
-    # vocabulary is the tokenizer's
-    tokenizer: str = key("bpe", choices=("bpe", "byte"))
+    # bpe (OpenAI CLIP's BPE, 49,408 ids) | byte (vitgraph's byte-level ids, 259) |
+    # hf:<name or folder> (a transformers tokenizer, read offline: a hub name must be in the
+    # local Hugging Face cache; BOS / EOS / pad as vitgraph.text.hf says); the vocabulary
+    # is the tokenizer's
+    tokenizer: str = key("bpe", check=lambda v, _: v in ("bpe", "byte") or (
+        v.startswith("hf:") and len(v) > 3), why="must be bpe, byte or hf:<name or folder>")
     # megatron-core's MultimodalProjector: mlp (two linears, GELU) | affine (one linear)
     projector: str = key("mlp", choices=("mlp", "affine"))
     freeze_tower: bool = False  # the vision tower gets no gradient and no optimizer state
+    # the vision tower's lr: optim.lr (and optim.min_lr) x this, through the optimizer's param
+    # groups; the projector and the language model at optim.lr. 0 is not a freeze: the tower
+    # still gets gradients and optimizer state, its weights stay (lm.freeze_tower freezes it)
+    tower_lr_scale: float = key(1.0, min=0)
     freeze_lm: bool = False  # the language model likewise (the projector always trains)
 
 
@@ -898,9 +906,14 @@ def _validate_caption(cfg: Config, err) -> None:
             "divisible by it")
     if lm.tokenizer == "bpe" and available():
         err("lm.tokenizer", "bpe", f"CLIP's BPE needs {available()}; or use lm.tokenizer=byte")
+    if hf_name(lm.tokenizer) and hf_problem(hf_name(lm.tokenizer)):
+        err("lm.tokenizer", lm.tokenizer, hf_problem(hf_name(lm.tokenizer)))
     if lm.freeze_tower and lm.freeze_lm:
         err("lm.freeze_lm", True, "with lm.freeze_tower only the projector would train: "
             "freeze one of them at most")
+    if lm.freeze_tower and lm.tower_lr_scale != 1.0:
+        err("lm.tower_lr_scale", lm.tower_lr_scale, "lm.freeze_tower leaves the tower out of "
+            "the optimizer: it has no lr to scale")
     if cfg.data.augment.mixes:
         err("data.augment.mixup_alpha", cfg.data.augment.mixup_alpha, "mixup / cutmix mix "
             "class labels; captions have none to mix: set data.augment.mixup_alpha=0 "

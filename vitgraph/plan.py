@@ -35,8 +35,7 @@ from vitgraph.models.registry import (CLIPArch, ViTArch, resolve_arch, resolve_c
                                       resolve_pos_interp)
 from vitgraph.models.specs import THD_HEAD_DIMS, resolve_spec
 from vitgraph.models.vit import sequence_length
-from vitgraph.text import BPE_VOCAB_SIZE, tokenizer_kind
-from vitgraph.text.tokenizer import VOCAB_SIZE as BYTE_VOCAB_SIZE
+from vitgraph.text import tokenizer_kind, tokenizer_vocab_size
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class Caption:
     ffn_hidden_size: int
     init_std: float
     text_length: int  # text positions: BOS, caption, EOS, padding
-    tokenizer: str  # bpe | byte
+    tokenizer: str  # bpe | byte | hf:<name or folder>
     vocab_size: int  # the tokenizer's
     projector: str  # mlp | affine
 
@@ -102,6 +101,9 @@ class Plan:
     # (config key, fnmatch pattern) rules of the parameters left out of training
     # (model.freeze, task.lock_image), applied by vitgraph.parallel.setup.parallelize
     freeze: tuple
+    # (config key, fnmatch pattern, lr multiplier) rules of parameters trained at a scaled lr
+    # (lm.tower_lr_scale), applied with optim.layer_decay by vitgraph.train.optim
+    lr_rules: tuple
     ema: EMAConfig | None  # train.ema; None: no EMA of the weights
     distill: DistillConfig | None  # train.distill; None: no teacher
     contrastive: Contrastive | None  # an image-text run's task settings
@@ -198,7 +200,8 @@ def resolve(cfg: Config, world_size: int) -> Plan:
                 graphs=graphs, world=world_size, dp=world_size // (p.tp * p.pp), cuda=cuda,
                 p2p=p2p, pack=pack, pack_layout=pack_layout, pos_interp=pos_interp,
                 recompute=recompute, fsdp=p.fsdp,
-                freeze=freeze, ema=t.ema if t.ema.decay is not None else None,
+                freeze=freeze, lr_rules=lr_rules(cfg),
+                ema=t.ema if t.ema.decay is not None else None,
                 distill=t.distill if t.distill.teacher else None, contrastive=contrastive,
                 caption=resolve_caption(cfg) if kind == "caption" else None,
                 model=m, data=cfg.data, optim=cfg.optim, train=t, parallel=p,
@@ -311,7 +314,7 @@ def resolve_caption(cfg: Config) -> Caption:
     return Caption(num_layers=lm.num_layers, hidden_size=lm.hidden_size,
                    num_heads=lm.num_heads, ffn_hidden_size=lm.ffn_hidden_size or 4 * lm.hidden_size,
                    init_std=lm.init_std, text_length=lm.text_length, tokenizer=lm.tokenizer,
-                   vocab_size=BPE_VOCAB_SIZE if lm.tokenizer == "bpe" else BYTE_VOCAB_SIZE,
+                   vocab_size=tokenizer_vocab_size(lm.tokenizer),
                    projector=lm.projector)
 
 
@@ -328,6 +331,14 @@ def freeze_rules(cfg: Config) -> tuple:
         if cfg.lm.freeze_lm:
             rules.append(("lm.freeze_lm", LANGUAGE_MODEL))
     return tuple(rules)
+
+
+def lr_rules(cfg: Config) -> tuple:
+    """(config key, fnmatch pattern, lr multiplier) of the parameters trained at a scaled lr:
+    a caption run's vision tower at lm.tower_lr_scale (vitgraph.models.caption.TOWER)."""
+    if task_kind(cfg) == "caption" and cfg.lm.tower_lr_scale != 1.0:
+        return (("lm.tower_lr_scale", TOWER, cfg.lm.tower_lr_scale),)
+    return ()
 
 
 def p2p_mode(pp: int, vpp: int, overlap: bool) -> dict:

@@ -10,7 +10,8 @@ projector, a GPT language model), by next-token loss on each image's caption.
   the logged top-1 next-token accuracy.
 * Held-out: the caption loss per token and its perplexity, and greedy captions of every
   held-out image (BOS, then argmax tokens to EOS or the budget), scored by whether the first
-  class name they mention is the image's (``class_word_accuracy``; chance 1 / classes).
+  class name they mention is the image's (``class_word_accuracy``, ``class_word_chance``:
+  1 / classes), over the held-out images with a class.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from vitgraph.convert import init_from
+from vitgraph.convert.vlm import init_caption
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models.build import transformer_config
 from vitgraph.models.caption import build_caption
@@ -37,8 +38,11 @@ SHOWN = 3  # greedy captions written to the log at each eval
 
 def text_targets(tokens: torch.Tensor, eos: int, ignore: int = IGNORE) -> torch.Tensor:
     """[b, L] text ids -> [b, L - 1] targets: position j's is token j + 1 while no EOS is at
-    or before j (the caption and its EOS), else ``ignore`` (the padding after EOS)."""
-    ended = (tokens == eos).long().cumsum(dim=1)[:, :-1] > 0
+    or before j after BOS (the caption and its EOS), else ``ignore`` (the padding after EOS).
+    BOS may be the EOS id (GPT-2's tokenizer)."""
+    ends = tokens == eos
+    ends[:, 0] = False
+    ended = ends.long().cumsum(dim=1)[:, :-1] > 0
     return torch.where(ended, ignore, tokens[:, 1:])
 
 
@@ -50,6 +54,7 @@ def first_class(text: str, patterns: list) -> int:
 
 class CaptionTask(Task):
     name = "caption"
+    fill_label = -2  # -1 is an unlabelled pair (WebDataset txt without cls): trained on
 
     def __init__(self, plan, d, total_steps=None):
         super().__init__(plan, d, total_steps)
@@ -91,8 +96,9 @@ class CaptionTask(Task):
             vit_flops_per_image(self.arch, model.visual.num_prefix, 0)
             + s * (6 * n_lm + 12 * lm.num_layers * lm.hidden_size * s)
             + 6 * lm.text_length * lm.hidden_size * lm.vocab_size)
-        if m.init_from and with_init_from:  # the tower's weights (vitgraph, timm, open_clip)
-            init_from(model.visual, m.init_from, m.init_format)
+        # a whole caption model's export, or the tower's weights (vitgraph, timm, open_clip, hf)
+        if m.init_from and with_init_from:
+            init_caption(model, m.init_from, m.init_format, lm.tokenizer)
         return [model]
 
     def describe(self, chunks, micro_batch):
@@ -137,10 +143,12 @@ class CaptionTask(Task):
     @torch.no_grad()
     def eval_metrics(self, outputs, chunks):
         model = unwrap(chunks[0])
-        hits = torch.zeros(3, device=self.d.device)  # [loss x tokens, class hits, images]
+        # [images, class hits, images with a class (WebDataset pairs may have none)]
+        hits = torch.zeros(3, device=self.d.device)
         shown = []
         for o in outputs:
-            keep = o["labels"] != self.fill_label
+            hits[0] += int((o["labels"] != self.fill_label).sum())
+            keep = o["labels"] >= 0
             images, labels = o["images"][keep], o["labels"][keep]
             if not len(labels):
                 continue
@@ -153,10 +161,12 @@ class CaptionTask(Task):
             shown += texts[:SHOWN - len(shown)]
         total = sum((o["stats"] for o in outputs), torch.zeros(3, device=self.d.device))
         loss_sum, _, tokens = reduce_stats(total, self.d).tolist()
-        _, class_hits, images = reduce_stats(hits, self.d).tolist()
+        images, class_hits, classed = reduce_stats(hits, self.d).tolist()
         loss = loss_sum / max(tokens, 1)
         if shown:
             log.info("greedy captions: %s", " | ".join(repr(t) for t in shown))
-        return {"eval_caption_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
-                "eval_class_word_accuracy": class_hits / max(images, 1),
-                "eval_images": int(images)}
+        out = {"eval_caption_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+        if classed:
+            out.update(eval_class_word_accuracy=class_hits / classed,
+                       eval_class_word_chance=1 / len(self.class_patterns))
+        return {**out, "eval_images": int(images)}

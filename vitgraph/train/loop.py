@@ -199,7 +199,8 @@ class Trainer:
         log.info("model: %s, %s%s", self.task.describe(self.chunks, t.micro_batch_size),
                  plan.precision_name,
                  f", drop path {drop_path:g} (model.drop_path_rate)" if drop_path else "")
-        log.info("optim: %s", optim_line(plan.optim, lr_scales(self.chunks, plan.optim.layer_decay)))
+        log.info("optim: %s", optim_line(plan.optim, lr_scales(
+            self.chunks, plan.optim.layer_decay, plan.lr_rules), plan.lr_rules))
         log.info("graphs: %s", plan.graphs)
         if plan.pack_layout is not None:
             log.info("packing: %s", plan.pack_layout)

@@ -7,12 +7,16 @@ Frozen parameters (model.freeze, task.lock_image: vitgraph.models.freeze, applie
 vitgraph.parallel.setup.parallelize before DDP) are in no group."""
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from vitgraph.config import OptimConfig
+from vitgraph.models.freeze import global_names
+from vitgraph.models.vit import unwrap
 from vitgraph.parallel import cpu_shims
 from vitgraph.parallel.fsdp import is_dtensor, local
 from vitgraph.plan import Plan
@@ -57,23 +61,36 @@ def layer_depths(chunks: list) -> dict[int, tuple[int, int]]:
     return out
 
 
-def lr_scales(chunks: list, decay: float | None) -> dict[int, float]:
-    """id(parameter) -> its lr multiplier: decay^(L + 1 - i) (``layer_depths``); 1.0 for
-    every parameter without layer decay. Each tower of an image-text pair decays over its
-    own depth (as EVA-CLIP's separate image / text layer decay, here with one rate): both
-    heads at lr, both embeddings at lr x decay^(L + 1) of their tower."""
+def lr_scales(chunks: list, decay: float | None, rules: tuple = ()) -> dict[int, float]:
+    """id(parameter) -> its lr multiplier: decay^(L + 1 - i) (``layer_depths``), 1.0 without
+    layer decay; times the multiplier of each of ``rules`` (the plan's ``lr_rules``: (config
+    key, fnmatch pattern, multiplier), lm.tower_lr_scale) whose pattern matches the
+    parameter's name in the whole model (vitgraph.models.freeze.global_names). Each tower of
+    an image-text pair decays over its own depth (as EVA-CLIP's separate image / text layer
+    decay, here with one rate): both heads at lr, both embeddings at lr x decay^(L + 1) of
+    their tower."""
     params = [p for c in chunks for p in c.parameters()]
     if decay is None or decay == 1.0:
-        return {id(p): 1.0 for p in params}
-    depths = layer_depths(chunks)
-    return {id(p): decay ** (depths[id(p)][1] + 1 - depths[id(p)][0]) if id(p) in depths
-            else 1.0 for p in params}
+        out = {id(p): 1.0 for p in params}
+    else:
+        depths = layer_depths(chunks)
+        out = {id(p): decay ** (depths[id(p)][1] + 1 - depths[id(p)][0]) if id(p) in depths
+               else 1.0 for p in params}
+    for chunk in chunks if rules else ():
+        for pid, name in global_names(unwrap(chunk)).items():
+            for _, pattern, scale in rules:
+                if fnmatch.fnmatchcase(name, pattern):
+                    out[pid] *= scale
+    return out
 
 
-def optim_line(o, scales: dict[int, float]) -> str:
-    """The start-up log's optimizer line (``o``: the optim section; ``scales``: lr_scales)."""
+def optim_line(o, scales: dict[int, float], rules: tuple = ()) -> str:
+    """The start-up log's optimizer line (``o``: the optim section; ``scales``: lr_scales;
+    ``rules``: the plan's lr_rules)."""
     line = (f"AdamW lr {o.lr:.2e} -> {o.min_lr:.2e}, weight decay {o.weight_decay:g}, "
             + (f"grad clip {o.clip_grad:g}" if o.clip_grad else "no grad clipping"))
+    line += "".join(f", {key} {scale:g} ({pattern} at lr x {scale:g})"
+                    for key, pattern, scale in rules)
     if o.layer_decay is None or o.layer_decay == 1.0:
         return line + ", no layer decay"
     return line + (f", layer decay {o.layer_decay:g} (encoder layer i of L at lr x "
@@ -171,13 +188,13 @@ def fill_frozen_slices(optimizer, chunks: list) -> None:
     optimizer.sharded_state_dict, optimizer.load_state_dict = sharded_state_dict, load_state_dict
 
 
-def param_groups(chunks: list, o: OptimConfig) -> list[dict]:
+def param_groups(chunks: list, o: OptimConfig, rules: tuple = ()) -> list[dict]:
     """The CPU optimizer's param groups, as megatron's ``_get_param_groups`` makes them on GPU
     from ``build_optimizer``'s overrides: one per (weight decay on / off, lr scale) of the
     trainable parameters, the same groups on every rank (``_aligned``). ``max_lr`` / ``min_lr``
     are what OptimizerParamScheduler anneals each group between; ``default_config`` marks the
-    groups at the base lr, as megatron does."""
-    scales = lr_scales(chunks, o.layer_decay)
+    groups at the base lr, as megatron does. ``rules``: the plan's lr_rules."""
+    scales = lr_scales(chunks, o.layer_decay, rules)
     by_key: dict[tuple, list] = {}
     for c in chunks:
         for n, p in c.named_parameters():
@@ -196,10 +213,10 @@ class CpuOptimizer:
     group, clips by the global norm (over the model-parallel group), steps.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], o: OptimConfig):
+    def __init__(self, chunks: list[torch.nn.Module], o: OptimConfig, rules: tuple = ()):
         named = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        self.optimizer = torch.optim.AdamW(param_groups(chunks, o), lr=o.lr,
+        self.optimizer = torch.optim.AdamW(param_groups(chunks, o, rules), lr=o.lr,
                                            betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.clip = o.clip_grad
@@ -566,7 +583,7 @@ def build_optimizer(chunks: list, plan: Plan):
     is replaced by a ``SyncFreeStep`` (its ``load_lr`` is called before every step)."""
     o, distributed = plan.optim, plan.parallel.distributed_optimizer
     if not plan.cuda:
-        optimizer = CpuOptimizer(chunks, o)
+        optimizer = CpuOptimizer(chunks, o, plan.lr_rules)
         fill_frozen_slices(optimizer, chunks)
         return optimizer
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -587,10 +604,11 @@ def build_optimizer(chunks: list, plan: Plan):
     no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
         name="vitgraph_no_decay", fn=lambda p, n: _no_decay(n, p)))
     overrides = {no_decay: ParamGroupOverride(wd_mult=0.0)}
-    # layer decay: one key per lr scale, matched by parameter (megatron merges the matches of
-    # a parameter, so each (decay, scale) pair becomes one group, aligned over all ranks)
+    # layer decay and lr_rules (lm.tower_lr_scale): one key per lr scale, matched by parameter
+    # (megatron merges the matches of a parameter, so each (decay, scale) pair becomes one
+    # group, aligned over all ranks)
     by_scale: dict[float, set] = {}
-    for pid, s in lr_scales(chunks, o.layer_decay).items():
+    for pid, s in lr_scales(chunks, o.layer_decay, plan.lr_rules).items():
         by_scale.setdefault(s, set()).add(pid)
     for s, ids in sorted(by_scale.items()):
         if s != 1.0:
