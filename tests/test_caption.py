@@ -54,11 +54,15 @@ def test_logits_are_gptmodels_at_the_text_and_the_loss_counts_text_only(dist1, t
     tokens = task.tokenizer(CAPTIONS)
     images, labels = torch.randn(3, 3, 32, 32), torch.tensor([4, 7, 0])
     logits = model(images, tokens)
-    n_img = model.image_len
-    assert n_img == 65 and logits.shape == (3, tokens.shape[1], task.tokenizer.vocab_size)
+    n_img, vocab = model.image_len, task.tokenizer.vocab_size
+    # the vocabulary padded to a multiple of 8 (byte ids: 259 -> 264), the padding at -inf
+    assert n_img == 65 and logits.shape == (3, tokens.shape[1], -(-vocab // 8) * 8)
+    assert (logits[..., vocab:] == float("-inf")).all()
+    logits = logits[..., :vocab]
     full = model.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                 decoder_input=model.embed(model.image_tokens(images), tokens))
     assert full.shape[1] == n_img + tokens.shape[1]
+    full = full[..., :vocab]
     torch.testing.assert_close(logits, full[:, n_img:], rtol=1e-5, atol=1e-5)
     loss, stats = task.loss((images, tokens, labels), logits)
     lengths = [len(task.tokenizer.encode(c)) - 1 for c in CAPTIONS]  # BOS predicts nothing

@@ -25,19 +25,26 @@ LAYOUTS = {
 }
 
 
+# the one-process run's step-5 checkpoint resumed at another layout
+RESUMES = {"one-to-tp2-sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "one-to-pp2": ["parallel.pp=2"]}
+
+
 def run_args(run_dir: Path, *extra: str) -> list[str]:
     return [VLM, *tiny_overrides(run_dir, steps=STEPS, **{"train.log_every": 1}), *SMALL,
             *extra]
 
 
 def launch_jobs(root: Path) -> dict[int, list]:
-    """The one-process reference (saved at step 5), its resume from there, each layout."""
-    jobs = {1: [("one", {"args": run_args(root / "one", *SAVE)}),
-                ("resumed", {"args": run_args(root / "resumed", *SAVE),
-                             "resume": {"from": str(root / "one"), "step": 5}})],
-            2: [(name, {"args": run_args(root / name, *extra)})
-                for name, extra in LAYOUTS.items()]}
-    return jobs
+    """The one-process reference (saved at step 5) and its resume from there; each layout,
+    and the reference's step 5 resumed at other layouts."""
+    def resume(name, *extra):
+        return name, {"args": run_args(root / name, *SAVE, *extra),
+                      "resume": {"from": str(root / "one"), "step": 5}}
+    return {1: [("one", {"args": run_args(root / "one", *SAVE)}), resume("resumed")],
+            2: [*((name, {"args": run_args(root / name, *extra)})
+                  for name, extra in LAYOUTS.items()),
+                *(resume(name, *extra) for name, extra in RESUMES.items())]}
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +101,14 @@ def test_resumed_run_continues_the_curve_exactly(runs):
     want, have = metrics(runs["one"][0]), metrics(runs["resumed"][0])
     for key in ("eval_caption_loss", "eval_class_word_accuracy"):
         assert have[key] == pytest.approx(want[key], rel=1e-6), key
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_checkpoint_resumes_at_another_layout(runs, name):
+    """The one-process run's step-5 checkpoint resumed at tp=2 + sequence parallel or pp=2:
+    steps 6-10 continue its curve (the vocabulary's padded size is the same at tp 1 and 2)."""
+    ref, got = losses(*runs["one"]), losses(*runs[name])
+    assert sorted(got) == list(range(6, STEPS + 1)), sorted(got)
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=2e-4), (s, got, ref)

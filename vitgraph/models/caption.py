@@ -27,8 +27,9 @@ length, 65 for a pico tower, need not divide by tp); the language model's input,
 then text, is padded at its end to a multiple of the split (causal: no real position sees the
 padding) and scattered along the sequence; the vocabulary is split over the ranks
 (megatron's ``VocabParallelEmbedding``, output layer and ``vocab_parallel_cross_entropy``),
-padded to a multiple of tp with the padded ids' logits at -inf (so every layout computes the
-function of the unpadded vocabulary). The output layer reads only the text positions: the
+padded to a multiple of 8 and of tp with the padded ids' logits at -inf (every layout, tp=1
+too, computes the function of the unpadded vocabulary, and the padded size is the same at tp
+1, 2, 4, 8). The output layer reads only the text positions: the
 decoder's output is gathered, its text rows taken, and the output layer runs on them as
 without sequence parallel (its input-gradient all-reduce instead of a reduce-scatter). Under
 sequence parallel a one-token decode step cannot be split: greedy captions run the whole
@@ -43,6 +44,7 @@ the whole model on one stage: not under pp (vitgraph.tasks.caption leaves them o
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +69,15 @@ TOWER = "visual.*"
 LANGUAGE_MODEL = "language_model.*"
 
 
+# the language model's vocabulary is padded to a multiple of this (and of tp): the same
+# padded size at tp 1, 2, 4 and 8, so a checkpoint moves between them
+VOCAB_MULTIPLE = 8
+
+
 def padded_vocab(vocab_size: int, tp: int) -> int:
-    """The language model's vocabulary split over ``tp`` ranks: a multiple of tp."""
-    return -(-vocab_size // tp) * tp
+    """The language model's vocabulary (``vocab_size`` ids and padding) split over ``tp``."""
+    m = math.lcm(VOCAB_MULTIPLE, tp)
+    return -(-vocab_size // m) * m
 
 
 @torch.no_grad()
