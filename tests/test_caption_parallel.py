@@ -11,9 +11,9 @@ from conftest import ROOT, loss_records, tiny_overrides
 VLM = str(ROOT / "configs" / "vlm-tiny-shapes.yaml")
 STEPS = 10
 # two language-model layers (one a stage at pp=2); 16 images a step in 4 microbatches of 4
-# (per data-parallel rank: 16 / (4 x dp)); 64 held-out images in eval batches of 32
+# (per data-parallel rank: 16 / (4 x dp)); 64 held-out images in one eval batch
 SMALL = ["lm.num_layers=2", "train.global_batch_size=16", "train.micro_batch_size=4",
-         "data.num_val=64", "train.eval_batch_size=32"]
+         "data.num_val=64", "train.eval_batch_size=64"]
 SAVE = ["checkpoint.every=5", "checkpoint.keep=5"]
 GRAPHS = ["graphs.enabled=true", "graphs.warmup_steps=2"]  # the CPU rerun backend
 LAYOUTS = {
