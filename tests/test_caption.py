@@ -147,6 +147,7 @@ def test_freezing_the_tower_or_the_language_model(dist1):
     (["parallel.pp=2", "parallel.vpp=2"], "parallel.vpp", "whole on the first"),
     (["parallel.pp=2"], "parallel.pp", "lm.num_layers=1 is not divisible"),
     (["parallel.tp=4", "lm.num_heads=2"], "parallel.tp", "lm.num_heads=2 is not divisible"),
+    (["parallel.tp=2", "lm.projector=affine"], "lm.projector", "tp-split bias"),
     (["parallel.tp=2", "data.resolution=native", "train.micro_batch_size=1"],
      "data.resolution", "under parallel.tp / pp takes fixed-size"),
     (["model.name=clip_tiny_patch4_32"], "model.name", "not an image-text pair"),

@@ -899,6 +899,10 @@ def _validate_caption(cfg: Config, err) -> None:
                       ("lm.hidden_size", lm.hidden_size)):
         if size % p.tp:
             err("parallel.tp", p.tp, f"{key}={size} is not divisible by it")
+    if lm.projector == "affine" and p.tp > 1:
+        err("lm.projector", "affine", "not at parallel.tp > 1: megatron-core 0.16.1's affine "
+            "MultimodalProjector adds its tp-split bias to its gathered output (a shape "
+            "error); use lm.projector=mlp")
     if cfg.data.resolution != "fixed" and (p.tp > 1 or p.pp > 1):
         err("data.resolution", cfg.data.resolution, "task.kind=caption under parallel.tp / "
             "pp takes fixed-size images (packed images and text run at tp=1, pp=1)")
