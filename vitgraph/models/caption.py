@@ -44,6 +44,7 @@ the whole model on one stage: not under pp (vitgraph.tasks.caption leaves them o
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import torch
@@ -63,6 +64,10 @@ from vitgraph.models.clip import tower_config
 from vitgraph.models.init import init_weights
 from vitgraph.models.specs import block_spec, get_layer_spec
 from vitgraph.models.vit import ViT, sequence_length
+
+# APEX's fused weight-gradient kernel, which megatron-core's ColumnParallelLinear needs for
+# gradient_accumulation_fusion (TE's layers have their own)
+APEX_WGRAD = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 # model.freeze-style patterns of the parts (lm.freeze_tower, lm.freeze_lm)
 TOWER = "visual.*"
@@ -280,7 +285,10 @@ def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size
         tower_config(base, hidden_size=lm.hidden_size, num_layers=lm.num_layers,
                      num_heads=lm.num_heads, ffn_hidden_size=ffn, activation="gelu",
                      eps=base.layernorm_epsilon),
-        init_method_std=lm.init_std, init_method=None, output_layer_init_method=None)
+        init_method_std=lm.init_std, init_method=None, output_layer_init_method=None,
+        # megatron-core's own linears (the GPT's output layer, the projector) refuse fused
+        # weight-gradient accumulation without APEX's kernel
+        gradient_accumulation_fusion=base.gradient_accumulation_fusion and APEX_WGRAD)
     if first_stage:
         visual = ViT(one_stage, get_layer_spec(spec, padding_mask=pad_to is not None,
                                                fused_norm=fused_norm,
@@ -295,7 +303,8 @@ def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size
                          num_heads=lm.num_heads,  # unused; TransformerConfig checks it
                          ffn_hidden_size=lm.hidden_size, activation="gelu",
                          eps=base.layernorm_epsilon),
-            init_method_std=lm.init_std, sequence_parallel=False)
+            init_method_std=lm.init_std, sequence_parallel=False,
+            gradient_accumulation_fusion=lcfg.gradient_accumulation_fusion)
         # (megatron-core's own initialisation draws from torch's RNG, which stage builds what
         # depends on the layout: the caller's is left untouched; init_weights draws again)
         with torch.random.fork_rng(devices=[]):
