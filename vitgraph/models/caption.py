@@ -183,11 +183,14 @@ class CaptionModel(MegatronModule):
         if self.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=False)
-        logits, _ = self.language_model.output_layer(
-            hidden[self.image_len:self.image_len + text_len])
+        return self._logits(hidden[self.image_len:self.image_len + text_len]).transpose(0, 1)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's logits [s, b, vocab (/ tp)], the padded ids' at -inf."""
+        logits, _ = self.language_model.output_layer(hidden)
         if self.vocab_padding is not None:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
-        return logits.transpose(0, 1)
+        return logits
 
     def forward(self, images: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
         """Images [b, 3, H, W] and text ids [b, L] -> logits [b, L, vocab (/ tp)]; position
@@ -210,10 +213,7 @@ class CaptionModel(MegatronModule):
         x = self.embed(image_tokens, tokens, start=cache.sequence_len_offset)
         hidden = lm.decoder(hidden_states=x, attention_mask=None, inference_context=cache)
         cache.sequence_len_offset += x.shape[0]
-        logits, _ = lm.output_layer(hidden[-1:])
-        if self.vocab_padding is not None:
-            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
-        return logits[0]
+        return self._logits(hidden[-1:])[0]
 
     @torch.no_grad()
     def generate(self, images: torch.Tensor, bos: int, eos: int, length: int,
