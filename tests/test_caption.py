@@ -54,11 +54,15 @@ def test_logits_are_gptmodels_at_the_text_and_the_loss_counts_text_only(dist1, t
     tokens = task.tokenizer(CAPTIONS)
     images, labels = torch.randn(3, 3, 32, 32), torch.tensor([4, 7, 0])
     logits = model(images, tokens)
-    n_img = model.image_len
-    assert n_img == 65 and logits.shape == (3, tokens.shape[1], task.tokenizer.vocab_size)
+    n_img, vocab = model.image_len, task.tokenizer.vocab_size
+    # the vocabulary padded to a multiple of 8 (byte ids: 259 -> 264), the padding at -inf
+    assert n_img == 65 and logits.shape == (3, tokens.shape[1], -(-vocab // 8) * 8)
+    assert (logits[..., vocab:] == float("-inf")).all()
+    logits = logits[..., :vocab]
     full = model.language_model(input_ids=None, position_ids=None, attention_mask=None,
                                 decoder_input=model.embed(model.image_tokens(images), tokens))
     assert full.shape[1] == n_img + tokens.shape[1]
+    full = full[..., :vocab]
     torch.testing.assert_close(logits, full[:, n_img:], rtol=1e-5, atol=1e-5)
     loss, stats = task.loss((images, tokens, labels), logits)
     lengths = [len(task.tokenizer.encode(c)) - 1 for c in CAPTIONS]  # BOS predicts nothing
@@ -178,7 +182,12 @@ def test_the_tower_trains_at_its_lr_scale(dist1):
 
 
 @pytest.mark.parametrize("overrides,key,why", [
-    (["parallel.tp=2"], "parallel.tp", "tp=1, pp=1"),
+    (["parallel.pp=2", "parallel.vpp=2"], "parallel.vpp", "whole on the first"),
+    (["parallel.pp=2"], "parallel.pp", "lm.num_layers=1 is not divisible"),
+    (["parallel.tp=4", "lm.num_heads=2"], "parallel.tp", "lm.num_heads=2 is not divisible"),
+    (["parallel.tp=2", "lm.projector=affine"], "lm.projector", "tp-split bias"),
+    (["parallel.tp=2", "data.resolution=native", "train.micro_batch_size=1"],
+     "data.resolution", "under parallel.tp / pp takes fixed-size"),
     (["model.name=clip_tiny_patch4_32"], "model.name", "not an image-text pair"),
     (["lm.num_heads=3"], "lm.num_heads", "not divisible"),
     (["lm.freeze_tower=true", "lm.freeze_lm=true"], "lm.freeze_lm", "only the projector"),
@@ -276,7 +285,7 @@ def test_the_whole_vlm_exports_and_a_run_starts_from_it(trained, tmp_path, capsy
     assert config["tokenizer"] == "byte" and config["text_length"] == 32
     assert config["model"]["name"] == "vit_pico_patch4_32" and config["image_tokens"] == 65
     assert config["language_model"] == {"num_layers": 1, "hidden_size": 64, "num_heads": 4,
-                                        "ffn_hidden_size": 256, "vocab_size": 259,
+                                        "ffn_hidden_size": 256, "vocab_size": 264,
                                         "positions": 97}
     assert main(["export", str(run), "--format", "timm", "--out", str(tmp_path / "t.st")]) == 2
     assert "vitgraph (the whole model) or hf" in capsys.readouterr().err

@@ -881,7 +881,8 @@ def _validate_layout(cfg: Config, arch, err) -> None:
         err("parallel.tp", p.tp, f"model.num_heads={arch.num_heads} is not divisible by it")
     if arch.ffn_hidden_size % p.tp:
         err("parallel.tp", p.tp, f"model.ffn_hidden_size={arch.ffn_hidden_size} is not divisible by it")
-    if arch.num_layers % (p.pp * p.vpp):
+    # (a caption model's tower sits whole on the first stage: _validate_caption)
+    if arch.num_layers % (p.pp * p.vpp) and task_kind(cfg) != "caption":
         err("parallel.pp", p.pp, f"model.num_layers={arch.num_layers} is not divisible by "
                                  f"parallel.pp x parallel.vpp = {p.pp} x {p.vpp}")
     if cfg.graphs.pool == "shared" and p.pp > 1:
@@ -895,9 +896,24 @@ def _validate_caption(cfg: Config, err) -> None:
     if m.name in CLIP_MODELS:
         err("model.name", m.name, "task.kind=caption takes a vision tower from the ViT "
             "registry (`vitgraph models`), not an image-text pair")
-    for name, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
-        if value > 1:
-            err(name, value, "task.kind=caption runs at tp=1, pp=1 for now (dp only)")
+    if p.vpp > 1:
+        err("parallel.vpp", p.vpp, "task.kind=caption: the tower sits whole on the first "
+            "pipeline stage; no interleaved stages (parallel.vpp=1)")
+    if lm.num_layers % p.pp:
+        err("parallel.pp", p.pp, f"lm.num_layers={lm.num_layers} is not divisible by it "
+            "(the language model's layers are split evenly over the stages)")
+    for key, size in (("lm.num_heads", lm.num_heads),
+                      ("lm.ffn_hidden_size", lm.ffn_hidden_size or 4 * lm.hidden_size),
+                      ("lm.hidden_size", lm.hidden_size)):
+        if size % p.tp:
+            err("parallel.tp", p.tp, f"{key}={size} is not divisible by it")
+    if lm.projector == "affine" and p.tp > 1:
+        err("lm.projector", "affine", "not at parallel.tp > 1: megatron-core 0.16.1's affine "
+            "MultimodalProjector adds its tp-split bias to its gathered output (a shape "
+            "error); use lm.projector=mlp")
+    if cfg.data.resolution != "fixed" and (p.tp > 1 or p.pp > 1):
+        err("data.resolution", cfg.data.resolution, "task.kind=caption under parallel.tp / "
+            "pp takes fixed-size images (packed images and text run at tp=1, pp=1)")
     if cfg.data.resolution != "fixed":
         err("data.resolution", cfg.data.resolution, "task.kind=caption takes fixed-size "
             "images for now")

@@ -60,6 +60,7 @@ def vlm_config(sd: dict, model_cfg, lm: dict) -> dict:
                            "num_heads": lm.get("num_heads"),
                            "ffn_hidden_size": int(sd["language_model.decoder.layers.0.mlp."
                                                      "linear_fc1.weight"].shape[0]),
+                           # rows: the tokenizer's ids, padded to a multiple of 8
                            "vocab_size": int(words.shape[0]), "positions": int(positions)},
         "tokenizer": lm.get("tokenizer"),
         "text_length": lm.get("text_length"),
@@ -105,7 +106,8 @@ def init_caption(model, source: str, fmt: str, tokenizer: str) -> None:
     ``fmt``). ``tokenizer``: the run's lm.tokenizer, checked against the file's."""
     raw = load_file(source)
     if not is_whole(raw):
-        init_from(model.visual, raw, fmt)
+        if model.visual is not None:  # pipeline stages after the first hold no tower
+            init_from(model.visual, raw, fmt)
         return
     if fmt not in ("auto", "vitgraph"):
         raise ConvertError(f"{source}: holds a whole caption model (vitgraph names); "

@@ -20,13 +20,37 @@ Greedy captions (``generate``) keep the keys and values of the positions so far 
 megatron-core's KV cache (``StaticInferenceContext``): one position per token after the
 image and BOS, not the whole prefix again.
 
-Not yet: packed (native-resolution) images and the LM sequence in thd, tp / pp.
+Tensor parallel (+ sequence parallel): the tower is vitgraph's ViT at tp (its tokens are
+split along the sequence inside it and gathered before its final norm); the projector runs on
+those replicated tokens, its linears column / row parallel without a sequence split (the image
+length, 65 for a pico tower, need not divide by tp); the language model's input, image tokens
+then text, is padded at its end to a multiple of the split (causal: no real position sees the
+padding) and scattered along the sequence; the vocabulary is split over the ranks
+(megatron's ``VocabParallelEmbedding``, output layer and ``vocab_parallel_cross_entropy``),
+padded to a multiple of 8 and of tp with the padded ids' logits at -inf (every layout, tp=1
+too, computes the function of the unpadded vocabulary, and the padded size is the same at tp
+1, 2, 4, 8). The output layer reads only the text positions: the
+decoder's output is gathered, its text rows taken, and the output layer runs on them as
+without sequence parallel (its input-gradient all-reduce instead of a reduce-scatter). Under
+sequence parallel a one-token decode step cannot be split: greedy captions run the whole
+sequence again for each token there (tp without sequence parallel keeps the KV cache).
+
+Pipeline parallel: the first stage holds the tower, the projector, the language model's
+embedding and its first layers (megatron's even split of ``lm.num_layers``), the last stage
+its last layers, final norm, output layer and the loss. Stages exchange the language model's
+hidden states [S (/ tp), b, h] of the padded fixed length ``seq_len``. Greedy captions need
+the whole model on one stage: not under pp (vitgraph.tasks.caption leaves them out).
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import math
 
 import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -38,27 +62,87 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vitgraph.models.clip import tower_config
 from vitgraph.models.init import init_weights
-from vitgraph.models.specs import get_layer_spec
-from vitgraph.models.vit import ViT
+from vitgraph.models.specs import block_spec, get_layer_spec
+from vitgraph.models.vit import ViT, sequence_length
+
+# APEX's fused weight-gradient kernel, which megatron-core's ColumnParallelLinear needs for
+# gradient_accumulation_fusion (TE's layers have their own)
+APEX_WGRAD = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 # model.freeze-style patterns of the parts (lm.freeze_tower, lm.freeze_lm)
 TOWER = "visual.*"
 LANGUAGE_MODEL = "language_model.*"
 
 
+# the language model's vocabulary is padded to a multiple of this (and of tp): the same
+# padded size at tp 1, 2, 4 and 8, so a checkpoint moves between them
+VOCAB_MULTIPLE = 8
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The language model's vocabulary (``vocab_size`` ids and padding) split over ``tp``."""
+    m = math.lcm(VOCAB_MULTIPLE, tp)
+    return -(-vocab_size // m) * m
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the vocabulary of logits split over the tensor-parallel ranks
+    [..., V / tp] (the first of equal maxima, as torch's over the whole)."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    value, index = logits.max(-1)
+    if tp == 1:
+        return index
+    index = index + ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    gather = tensor_parallel.gather_from_tensor_model_parallel_region
+    values, indices = gather(value[..., None].contiguous()), gather(index[..., None].contiguous())
+    return indices.gather(-1, values.argmax(-1, keepdim=True))[..., 0]
+
+
 class CaptionModel(MegatronModule):
-    def __init__(self, visual: ViT, projector: MultimodalProjector, language_model: GPTModel):
+    """The caption model on one pipeline stage: ``visual`` and ``projector`` on the first
+    (None elsewhere), the language model's part of the stage. ``image_len``: the tower's
+    tokens an image; ``text_length``: text positions; ``vocab_size``: the tokenizer's (the
+    language model's may be padded); ``pad_to``: micro-batch -> the multiple the language
+    model's sequence is padded to (None: never)."""
+
+    def __init__(self, visual: ViT | None, projector: MultimodalProjector | None,
+                 language_model: GPTModel, *, image_len: int, text_length: int,
+                 vocab_size: int, pad_to=None):
         super().__init__(config=language_model.config)
         self.model_type = ModelType.encoder_or_decoder
-        self.pre_process = self.post_process = True  # one pipeline stage
+        self.pre_process = language_model.pre_process
+        self.post_process = language_model.post_process
         self.share_embeddings_and_output_weights = False  # read by finalize_model_grads
         self.visual, self.projector, self.language_model = visual, projector, language_model
-        self.image_len = visual.seq_len  # image tokens in front of every text
+        self.image_len, self.text_length = image_len, text_length  # image tokens before the text
+        self.vocab_size, self.pad_to = vocab_size, pad_to
+        self.sequence_parallel = language_model.config.sequence_parallel
+        out = language_model.output_layer if self.post_process else None
+        if out is not None and out.sequence_parallel:
+            # the output layer reads the gathered text rows (``text_logits``): a replicated
+            # input, whose gradient it all-reduces over tp, as without sequence parallel
+            out.sequence_parallel, out.allreduce_dgrad = False, True
+        self.register_buffer("vocab_padding", self._vocab_padding(), persistent=False)
+
+    def _vocab_padding(self) -> torch.Tensor | None:
+        """True at this rank's padded vocabulary ids (None: it has none)."""
+        if not self.post_process:
+            return None
+        weight = self.language_model.output_layer.weight
+        start = ps.get_tensor_model_parallel_rank() * weight.shape[0]
+        if start + weight.shape[0] <= self.vocab_size:
+            return None
+        return torch.arange(start, start + weight.shape[0], device=weight.device) >= self.vocab_size
 
     def set_input_tensor(self, input_tensor) -> None:
-        """megatron's schedules call it on every stage; the model runs on one stage."""
-        if input_tensor is not None and any(t is not None for t in input_tensor):
-            raise RuntimeError("the caption model runs on one pipeline stage (parallel.pp=1)")
+        """A later pipeline stage's input: the stage before's language-model hidden states."""
+        self.language_model.set_input_tensor(input_tensor)
+
+    def seq_len(self, micro_batch: int) -> int:
+        """The language model's sequence (image tokens, text, padding): what stages exchange
+        (split over tp under sequence parallel)."""
+        return self._padded_len(self.image_len + self.text_length, micro_batch)
 
     def image_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """[b, 3, H, W] -> [n, b, lm width]: the tower's tokens through the projector."""
@@ -66,46 +150,83 @@ class CaptionModel(MegatronModule):
 
     def embed(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
               start: int = 0) -> torch.Tensor:
-        """The language model's input [n + L, b, h]: image tokens (n may be 0), then the
-        text's word embeddings; learned positions from ``start`` on (GPTModel's embedding)."""
+        """[n + L, b, h]: image tokens (n may be 0), then the text's word embeddings; learned
+        positions from ``start`` on (GPTModel's embedding, before its dropout)."""
         emb = self.language_model.embedding
         words = emb.word_embeddings(tokens).transpose(0, 1)  # [L, b, h]
         x = torch.cat([image_tokens.to(words.dtype), words])
         pos = torch.arange(start, start + x.shape[0], device=x.device)
-        x = x + emb.position_embeddings(pos)[:, None]
-        return emb.embedding_dropout(x)
+        return x + emb.position_embeddings(pos)[:, None]
 
-    def text_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[b, L, vocab]: the text positions' logits."""
-        lm = self.language_model
-        hidden = lm.decoder(hidden_states=self.embed(image_tokens, tokens), attention_mask=None)
-        logits, _ = lm.output_layer(hidden[image_tokens.shape[0]:])
-        return logits.transpose(0, 1)
+    def lm_input(self, image_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The decoder's input: ``embed``'s sequence padded at its end to ``seq_len``, split
+        along the sequence under sequence parallel, through the embedding dropout (as
+        GPTModel's embedding does it)."""
+        x = self.embed(image_tokens, tokens)
+        padded = self._padded_len(x.shape[0], x.shape[1])
+        if padded > x.shape[0]:
+            x = F.pad(x, (0, 0, 0, 0, 0, padded - x.shape[0]))
+        dropout = self.language_model.embedding.embedding_dropout
+        if not self.sequence_parallel:
+            return dropout(x)
+        x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return dropout(x)
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Images [b, 3, H, W] and text ids [b, L] -> logits [b, L, vocab]; position i's
-        logits predict text token i + 1."""
-        return self.text_logits(self.image_tokens(images), tokens)
+    def _padded_len(self, s: int, micro_batch: int) -> int:
+        m = self.pad_to(micro_batch) if self.pad_to is not None else 1
+        return -(-s // m) * m
+
+    def text_logits(self, hidden: torch.Tensor, text_len: int) -> torch.Tensor:
+        """The decoder's output (split along the sequence under sequence parallel) -> the
+        text positions' logits [b, L, vocab (/ tp)]."""
+        if self.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False)
+        return self._logits(hidden[self.image_len:self.image_len + text_len]).transpose(0, 1)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's logits [s, b, vocab (/ tp)], the padded ids' at -inf."""
+        logits, _ = self.language_model.output_layer(hidden)
+        if self.vocab_padding is not None:
+            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
+        return logits
+
+    def forward(self, images: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """Images [b, 3, H, W] and text ids [b, L] -> logits [b, L, vocab (/ tp)]; position
+        i's logits predict text token i + 1. A stage before the last returns its hidden
+        states; a stage after the first takes the images as None."""
+        hidden = None
+        if self.pre_process:
+            hidden = self.lm_input(self.image_tokens(images), tokens)
+        hidden = self.language_model.decoder(hidden_states=hidden, attention_mask=None)
+        if not self.post_process:
+            return hidden
+        return self.text_logits(hidden, tokens.shape[1])
 
     def next_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
                     cache: StaticInferenceContext) -> torch.Tensor:
-        """[b, vocab]: the logits after the last of ``tokens``. The positions before them are
-        in ``cache`` (megatron-core's KV cache), which takes these positions' keys and
-        values."""
+        """[b, vocab (/ tp)]: the logits after the last of ``tokens``. The positions before
+        them are in ``cache`` (megatron-core's KV cache), which takes these positions' keys
+        and values."""
         lm = self.language_model
         x = self.embed(image_tokens, tokens, start=cache.sequence_len_offset)
         hidden = lm.decoder(hidden_states=x, attention_mask=None, inference_context=cache)
         cache.sequence_len_offset += x.shape[0]
-        logits, _ = lm.output_layer(hidden[-1:])
-        return logits[0]
+        return self._logits(hidden[-1:])[0]
 
     @torch.no_grad()
     def generate(self, images: torch.Tensor, bos: int, eos: int, length: int,
                  pad: int = 0) -> torch.Tensor:
         """Greedy captions, int64 [b, length]: BOS, then the argmax token until EOS or the
         budget; padding after EOS. With megatron-core's KV cache: the image tokens and BOS in
-        one pass, then one position per token. In eval mode: megatron drops the causal mask
-        of a one-token step only outside training."""
+        one pass, then one position per token (under sequence parallel the whole sequence
+        again for each token). In eval mode: megatron drops the causal mask of a one-token
+        step only outside training. The whole model on one stage; under tp every rank of the
+        group calls it with the same images."""
+        if not (self.pre_process and self.post_process):
+            raise RuntimeError("greedy captions need the whole caption model on one stage "
+                               "(parallel.pp=1)")
         was_training = self.training
         self.eval()
         try:
@@ -119,50 +240,87 @@ class CaptionModel(MegatronModule):
         out = torch.full((b, length), pad, dtype=torch.long, device=images.device)
         out[:, 0] = bos
         done = torch.zeros(b, dtype=torch.bool, device=images.device)
-        cache = StaticInferenceContext(b, image.shape[0] + length)
-        logits = self.next_logits(image, out[:, :1], cache)
-        cache.enable_decode_mode()
+        if self.sequence_parallel:
+            def logits_at(i):  # the whole sequence: a one-token step cannot be split
+                hidden = self.language_model.decoder(hidden_states=self.lm_input(image, out),
+                                                     attention_mask=None)
+                return self.text_logits(hidden, length)[:, i - 1]
+        else:
+            cache = StaticInferenceContext(b, image.shape[0] + length)
+            first = self.next_logits(image, out[:, :1], cache)
+            cache.enable_decode_mode()
+
+            def logits_at(i):
+                return first if i == 1 else self.next_logits(image[:0], out[:, i - 1:i], cache)
         for i in range(1, length):
-            nxt = logits.argmax(-1)
+            nxt = vocab_parallel_argmax(logits_at(i))
             out[:, i] = torch.where(done, pad, nxt)
             done |= nxt == eos
-            if i == length - 1 or bool(done.all()):
+            if bool(done.all()):
                 break
-            logits = self.next_logits(image[:0], out[:, i:i + 1], cache)
         return out
 
 
 def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size: int, *,
                   seed: int = 0, class_token: bool = True, num_registers: int = 0,
-                  fused_norm: bool = False, drop_path_rate: float = 0.0) -> CaptionModel:
-    """One caption model on one stage. ``base``: the tower's TransformerConfig (precision,
-    layout); ``lm``: the language model's sizes (the plan's ``Caption``: num_layers,
-    hidden_size, num_heads, ffn_hidden_size, init_std, projector, text_length). The tower's
-    weights are vitgraph's (layout-independent, under ``visual.``); the projector's and the
-    language model's are megatron-core's own initialisation from the seeded torch RNG."""
-    if base.pipeline_model_parallel_size > 1 or base.tensor_model_parallel_size > 1:
-        raise NotImplementedError("the caption model runs at tp=1, pp=1 for now")
-    visual = ViT(base, get_layer_spec(spec, fused_norm=fused_norm,
-                                      drop_path_rate=drop_path_rate),
-                 tower_arch, 0, num_registers=num_registers, class_token=class_token,
-                 head="none")
-    init_weights(visual, seed, prefix="visual.")
+                  fused_norm: bool = False, drop_path_rate: float = 0.0, tp_rank: int = 0,
+                  first_stage: bool = True, last_stage: bool = True,
+                  pad_to=None) -> CaptionModel:
+    """This rank's caption model. ``base``: the tower's TransformerConfig (precision, the
+    parallel layout); ``lm``: the language model's sizes (the plan's ``Caption``: num_layers,
+    hidden_size, num_heads, ffn_hidden_size, init_std, projector, text_length);
+    ``first_stage`` / ``last_stage``: this rank's place in the pipeline (the tower and the
+    projector on the first); ``pad_to``: micro-batch -> the multiple both models pad their
+    token sequences to (sequence parallel, FP8; None: none): the tower with a key-padding
+    mask, the language model at its causal end. Every weight is drawn layout-independently
+    (vitgraph.models.init) under ``visual.``, ``projector.`` and ``language_model.``."""
+    tp = base.tensor_model_parallel_size
+    vocab = padded_vocab(vocab_size, tp)
+    # the tower and the projector sit whole on the first pipeline stage
+    one_stage = dataclasses.replace(base, pipeline_model_parallel_size=1,
+                                    virtual_pipeline_model_parallel_size=None)
+    visual = projector = None
     ffn = lm.ffn_hidden_size or 4 * lm.hidden_size
     lcfg = dataclasses.replace(
         tower_config(base, hidden_size=lm.hidden_size, num_layers=lm.num_layers,
                      num_heads=lm.num_heads, ffn_hidden_size=ffn, activation="gelu",
                      eps=base.layernorm_epsilon),
-        init_method_std=lm.init_std, init_method=None, output_layer_init_method=None)
-    pcfg = tower_config(lcfg, hidden_size=lm.hidden_size, num_layers=1, num_heads=1,
-                        ffn_hidden_size=lm.hidden_size, activation="gelu",
-                        eps=base.layernorm_epsilon)
-    # megatron-core draws these weights from torch's RNG: seeded here, the caller's untouched
+        init_method_std=lm.init_std, init_method=None, output_layer_init_method=None,
+        # megatron-core's own linears (the GPT's output layer, the projector) refuse fused
+        # weight-gradient accumulation without APEX's kernel
+        gradient_accumulation_fusion=base.gradient_accumulation_fusion and APEX_WGRAD)
+    if first_stage:
+        visual = ViT(one_stage, get_layer_spec(spec, padding_mask=pad_to is not None,
+                                               fused_norm=fused_norm,
+                                               drop_path_rate=drop_path_rate),
+                     tower_arch, 0, num_registers=num_registers, class_token=class_token,
+                     head="none", pad_to=pad_to)
+        init_weights(visual, seed, tp_rank, tp, prefix="visual.")
+        # its input is the tower's gathered tokens: tensor-parallel linears, no sequence
+        # split (the image's token count need not divide by tp)
+        pcfg = dataclasses.replace(
+            tower_config(one_stage, hidden_size=lm.hidden_size, num_layers=1,
+                         num_heads=lm.num_heads,  # unused; TransformerConfig checks it
+                         ffn_hidden_size=lm.hidden_size, activation="gelu",
+                         eps=base.layernorm_epsilon),
+            init_method_std=lm.init_std, sequence_parallel=False,
+            gradient_accumulation_fusion=lcfg.gradient_accumulation_fusion)
+        # (megatron-core's own initialisation draws from torch's RNG, which stage builds what
+        # depends on the layout: the caller's is left untouched; init_weights draws again)
+        with torch.random.fork_rng(devices=[]):
+            projector = MultimodalProjector(
+                pcfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                    linear_fc2=RowParallelLinear),
+                lm.projector, tower_arch.hidden_size)
+        init_weights(projector, seed, tp_rank, tp, prefix="projector.")
+    image_len = sequence_length(tower_arch, class_token, num_registers)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        projector = MultimodalProjector(
-            pcfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            lm.projector, tower_arch.hidden_size)
-        language_model = GPTModel(lcfg, get_layer_spec(spec, causal=True), vocab_size,
-                                  visual.seq_len + lm.text_length, parallel_output=False,
+        language_model = GPTModel(lcfg, block_spec(spec, lcfg, causal=True), vocab,
+                                  image_len + lm.text_length, pre_process=first_stage,
+                                  post_process=last_stage, parallel_output=True,
                                   position_embedding_type="learned_absolute")
-    return CaptionModel(visual, projector, language_model)
+    init_weights(language_model, seed, tp_rank, tp, prefix="language_model.",
+                 rows={"embedding.word_embeddings.weight": vocab_size,
+                       "output_layer.weight": vocab_size})
+    return CaptionModel(visual, projector, language_model, image_len=image_len,
+                        text_length=lm.text_length, vocab_size=vocab_size, pad_to=pad_to)

@@ -17,8 +17,13 @@ as the other norms; the projection to the joint embedding (``proj``) N(0, 1/sqrt
 a zero bias (as open_clip); the token embedding N(0, 0.02); SigLIP's attention-pooling head:
 its query truncated N(0, 1/sqrt(width)), linears N(0, init_std), biases 0, norm 1 / 0; the
 logit scale and bias take the model's constants. A CLIP model's towers are drawn under the
-global names ``visual.<name>`` and ``text.<name>``. An unknown parameter is an error, so a new
-module cannot silently get layout-dependent weights.
+global names ``visual.<name>`` and ``text.<name>``. A caption model (vitgraph.models.caption)
+draws its parts under ``visual.``, ``projector.`` and ``language_model.``, as megatron-core
+initialises them: the projector's linears (``encoder.``) N(0, init_std), its second
+N(0, init_std / sqrt(2)), biases 0; the GPT's word and position embeddings and output layer
+N(0, init_std), its final norm 1 / 0; a vocabulary padded for tp draws the unpadded rows and
+zeros after them (``rows``). An unknown parameter is an error, so a new module cannot
+silently get layout-dependent weights.
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ def _seed(seed: int, name: str) -> int:
 def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers: int) -> torch.Tensor:
     t = torch.empty(shape, dtype=torch.float32)
     leaf = name.rsplit(".", 1)[-1]
-    norm = name.startswith(("final_norm.", "ln_pre."))
+    norm = name.startswith(("final_norm.", "ln_pre.", "decoder.final_layernorm."))
     if leaf == "layer_norm_weight" or norm and leaf == "weight":
         return t.fill_(1.0)
     if leaf in ("layer_norm_bias",) or norm or name.startswith(("head.", "head_dist.")) \
@@ -65,6 +70,15 @@ def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers:
         return t.normal_(0.0, shape[1] ** -0.5, generator=gen)
     if name == "token_embed.weight":
         return t.normal_(0.0, 0.02, generator=gen)
+    if name.startswith("encoder."):  # a caption model's projector: an MLP, or one linear
+        if leaf == "bias":
+            return t.zero_()
+        if name == "encoder.linear_fc2.weight":
+            return t.normal_(0.0, std / math.sqrt(2.0 * layers), generator=gen)
+        return t.normal_(0.0, std, generator=gen)
+    if name in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                "output_layer.weight"):  # a GPT language model's
+        return t.normal_(0.0, std, generator=gen)
     if name.startswith("attn_pool."):  # SigLIP's attention-pooling head
         if name == "attn_pool.latent":
             return torch.nn.init.trunc_normal_(t, std=shape[-1] ** -0.5, generator=gen)
@@ -90,9 +104,10 @@ def _draw(name: str, shape: list[int], gen: torch.Generator, std: float, layers:
 
 @torch.no_grad()
 def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: int = 1,
-                 prefix: str = "") -> None:
+                 prefix: str = "", rows: dict | None = None) -> None:
     """Fill every parameter of ``model`` (one chunk) from (seed, global name); see above.
-    ``prefix``: the model's place in a larger one (``visual.``), part of the seeding name."""
+    ``prefix``: the model's place in a larger one (``visual.``), part of the seeding name;
+    ``rows``: global name -> the rows drawn (those after them zero: a padded vocabulary)."""
     if any(p.is_meta for p in model.parameters()):
         return  # built on the meta device to count its parameters (vitgraph.memory): no data
     names = global_names(model)
@@ -109,6 +124,9 @@ def init_weights(model: torch.nn.Module, seed: int, tp_rank: int = 0, tp_size: i
             w = model.patch_embed.weight
             bound = 1.0 / math.sqrt(w.shape[1] * w.shape[2] * w.shape[3])
             full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        elif rows and name in rows:
+            full = torch.zeros(shape)
+            full[:rows[name]] = _draw(name, [rows[name], *shape[1:]], gen, std, layers)
         else:
             full = _draw(name, shape, gen, std, layers)
         if dim >= 0 and tp_size > 1:

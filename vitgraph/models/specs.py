@@ -34,7 +34,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import get_pg_rank
 
@@ -574,3 +575,30 @@ def _base_layer_spec(name: str, padding_mask: bool, causal: bool,
                            LayerNormColumnParallelLinear, RowParallelLinear, mask,
                            layer=ResidualNormLayer if fused_norm else TransformerLayer)
     raise ValueError(f"unknown layer spec {name!r}; known: {', '.join(SPECS)}")
+
+
+class TorchLayerNorm(torch.nn.LayerNorm):
+    """A transformer block's final LayerNorm in the torch spec: megatron's ``WrappedTorchNorm``
+    (torch's LayerNorm, the same parameters), which refuses sequence parallel, made to run
+    under it: the parameters are replicated, each rank's gradient partial, and the
+    ``sequence_parallel`` flag has them summed over tp (as megatron's TE and Apex norms)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
+        for p in (self.weight, self.bias):
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+
+def block_spec(name: str, config, causal: bool = False) -> TransformerBlockSubmodules:
+    """A whole TransformerBlock's spec (a GPTModel's decoder): this pipeline stage's layers
+    (megatron's split of ``config.num_layers``) of ``get_layer_spec(name, causal=causal)``
+    and the final norm: TE's for te, ``TorchLayerNorm`` for torch."""
+    if name == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+        norm = TENorm
+    else:
+        norm = TorchLayerNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[get_layer_spec(name, causal=causal)] * get_num_layers_to_build(config),
+        layer_norm=norm)

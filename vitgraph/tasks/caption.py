@@ -12,6 +12,10 @@ projector, a GPT language model), by next-token loss on each image's caption.
   held-out image (BOS, then argmax tokens to EOS or the budget), scored by whether the first
   class name they mention is the image's (``class_word_accuracy``, ``class_word_chance``:
   1 / classes), over the held-out images with a class.
+  Greedy captions need the whole model on one stage: under parallel.pp > 1 the held-out
+  numbers are the loss and perplexity only.
+* Tensor parallel: the logits are split over the vocabulary (megatron's
+  ``vocab_parallel_cross_entropy``, and an argmax across the ranks for top-1 and captions).
 """
 from __future__ import annotations
 
@@ -21,11 +25,12 @@ import re
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from vitgraph.convert.vlm import init_caption
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models.build import transformer_config
-from vitgraph.models.caption import build_caption
+from vitgraph.models.caption import build_caption, vocab_parallel_argmax
 from vitgraph.models.vit import unwrap, vit_flops_per_image
 from vitgraph.tasks.base import Task, reduce_stats, require_captions, stats
 from vitgraph.text import make_tokenizer
@@ -64,6 +69,7 @@ class CaptionTask(Task):
         self.tokenizer = None  # made by attach
         self.augment = None
         self.class_patterns: list = []  # each class name as the tokenizer decodes it
+        self.said_no_captions = False
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
@@ -83,19 +89,22 @@ class CaptionTask(Task):
                                         self.plan.train.seed, self.d.dp_rank)
 
     def build_model(self, with_init_from: bool = True) -> list:
-        plan, m, lm = self.plan, self.plan.model, self.lm
-        model = build_caption(self.arch, transformer_config(plan, m, self.d), plan.spec, lm,
+        plan, m, lm, d = self.plan, self.plan.model, self.lm, self.d
+        model = build_caption(self.arch, transformer_config(plan, m, d), plan.spec, lm,
                               lm.vocab_size, seed=plan.train.seed, class_token=m.class_token,
                               num_registers=m.num_registers, fused_norm=plan.fused_norm,
-                              drop_path_rate=m.drop_path_rate)
-        # FLOPs: the tower's, T (6N + 12 L d T) over the LM's sequence, the output layer's
-        s = model.image_len + lm.text_length
-        n_lm = sum(p.numel() for p in model.language_model.decoder.parameters()) + \
-            sum(p.numel() for p in model.projector.parameters())
+                              drop_path_rate=m.drop_path_rate, tp_rank=d.tp_rank,
+                              first_stage=d.is_first_stage, last_stage=d.is_last_stage,
+                              pad_to=plan.token_padding if plan.pads else None)
+        # FLOPs: the tower's, T (6N + 12 L d T) over the LM's sequence (N: its layers' and
+        # the projector's weights), the output layer's over the text
+        s, h = model.image_len + lm.text_length, lm.hidden_size
+        n_lm = lm.num_layers * (4 * h * h + 2 * h * lm.ffn_hidden_size) + \
+            self.arch.hidden_size * h + (h * h if lm.projector == "mlp" else 0)
         self.flops_per_sample = (
-            vit_flops_per_image(self.arch, model.visual.num_prefix, 0)
-            + s * (6 * n_lm + 12 * lm.num_layers * lm.hidden_size * s)
-            + 6 * lm.text_length * lm.hidden_size * lm.vocab_size)
+            vit_flops_per_image(self.arch, int(m.class_token) + m.num_registers, 0)
+            + s * (6 * n_lm + 12 * lm.num_layers * h * s)
+            + 6 * lm.text_length * h * lm.vocab_size)
         # a whole caption model's export, or the tower's weights (vitgraph, timm, open_clip, hf)
         if m.init_from and with_init_from:
             init_caption(model, m.init_from, m.init_format, lm.tokenizer)
@@ -109,6 +118,9 @@ class CaptionTask(Task):
                 f"{lm.tokenizer} ids), spec {self.plan.spec}, {n} params on this rank, "
                 f"{m.image_len} image + {lm.text_length} text positions, "
                 f"{self.flops_per_sample / 1e9:.2f} GFLOP/sample (train)")
+
+    def seq_length(self, chunks, micro_batch):
+        return unwrap(chunks[0]).seq_len(micro_batch)
 
     def prepare(self, raw, key, device, first_stage):
         images, labels, tokens = raw
@@ -127,10 +139,15 @@ class CaptionTask(Task):
         logits = output[:, :-1].float()  # the last position predicts past the budget
         valid = targets != IGNORE
         n = valid.sum()
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                ignore_index=IGNORE, reduction="sum")
+        correct = ((vocab_parallel_argmax(logits) == targets) & valid).sum()
+        if self.d.tp > 1:  # logits split over the vocabulary
+            per = vocab_parallel_cross_entropy(logits.contiguous(),
+                                               torch.where(valid, targets, 0))
+            total = (per * valid).sum()
+        else:
+            total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                    ignore_index=IGNORE, reduction="sum")
         loss = total / n.clamp(min=1)
-        correct = ((logits.argmax(-1) == targets) & valid).sum()
         # the schedule divides `loss` in place by the number of microbatches: count a clone
         return loss, stats(loss.detach().clone() * n, correct, n)
 
@@ -146,12 +163,13 @@ class CaptionTask(Task):
         # [images, class hits, images with a class (WebDataset pairs may have none)]
         hits = torch.zeros(3, device=self.d.device)
         shown = []
+        generate = self.d.pp == 1  # greedy captions need the whole model on one stage
         for o in outputs:
             hits[0] += int((o["labels"] != self.fill_label).sum())
             keep = o["labels"] >= 0
-            images, labels = o["images"][keep], o["labels"][keep]
-            if not len(labels):
+            if not generate or not keep.any():
                 continue
+            images, labels = o["images"][keep], o["labels"][keep]
             ids = model.generate(images, self.tokenizer.sot_id, self.tokenizer.eot_id,
                                  self.lm.text_length, self.tokenizer.pad_id)
             texts = [self.tokenizer.decode(row) for row in ids.cpu()]
@@ -166,7 +184,11 @@ class CaptionTask(Task):
         if shown:
             log.info("greedy captions: %s", " | ".join(repr(t) for t in shown))
         out = {"eval_caption_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
-        if classed:
+        if generate and classed:
             out.update(eval_class_word_accuracy=class_hits / classed,
                        eval_class_word_chance=1 / len(self.class_patterns))
+        elif not generate and not self.said_no_captions:
+            log.info("eval: no greedy captions under parallel.pp=%d (they need the whole "
+                     "model on one stage): caption loss and perplexity only", self.d.pp)
+            self.said_no_captions = True
         return {**out, "eval_images": int(images)}
