@@ -146,8 +146,6 @@ def test_freezing_the_tower_or_the_language_model(dist1):
     (["lm.freeze_tower=true", "lm.freeze_lm=true"], "lm.freeze_lm", "only the projector"),
     (["lm.tokenizer=words"], "lm.tokenizer", "bpe, byte"),
     (["data.captions=long"], "data.captions", "short, shape_first"),
-    (["data.resolution=native", "train.micro_batch_size=1"], "data.resolution",
-     "fixed-size"),
 ])
 def test_caption_config_errors_exit_2(capsys, overrides, key, why):
     assert main(["train", str(VLM), *overrides]) == 2

@@ -890,9 +890,6 @@ def _validate_caption(cfg: Config, err) -> None:
     for name, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
         if value > 1:
             err(name, value, "task.kind=caption runs at tp=1, pp=1 for now (dp only)")
-    if cfg.data.resolution != "fixed":
-        err("data.resolution", cfg.data.resolution, "task.kind=caption takes fixed-size "
-            "images for now")
     if lm.hidden_size % lm.num_heads:
         err("lm.num_heads", lm.num_heads, f"lm.hidden_size={lm.hidden_size} is not "
             "divisible by it")
