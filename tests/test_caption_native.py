@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ROOT, tiny_overrides, world_of_one
 from vitgraph.cli import main
@@ -65,7 +66,8 @@ def test_text_layout_places_each_sample_then_padding():
 def test_packed_logits_are_each_samples_fixed_composition(dist1):
     """Per sample, the packed text logits up to its EOS are the fixed path's (which
     test_caption.py checks against GPTModel.forward) on that image's tokens alone; the loss
-    counts the captions' tokens of the slots holding an image; every part gets gradients."""
+    counts the captions' tokens of the slots holding an image, and its gradients are those of
+    the fixed composition's loss over the same samples."""
     task, model, inputs = setup(dist1)
     model.eval()
     spec = model.text_pack
@@ -85,8 +87,19 @@ def test_packed_logits_are_each_samples_fixed_composition(dist1):
     assert stats[2].item() == sum(len(task.tokenizer.encode(c)) - 1 for c in CAPTIONS)
     model.train()
     task.loss(inputs, task.forward(model, inputs))[0].backward()
-    for part in (model.visual, model.projector, model.language_model):
-        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters())
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    image = model.packed_image_tokens(inputs[:4])
+    total, count = 0.0, 0
+    for i in range(len(GRIDS)):
+        targets = text_targets(tokens[i:i + 1], task.tokenizer.eot_id)[0]
+        own = model.text_logits(image[cu[i]:cu[i + 1]][:, None], tokens[i:i + 1])[0]
+        total = total + F.cross_entropy(own[:-1], targets, ignore_index=IGNORE, reduction="sum")
+        count += int((targets != IGNORE).sum())
+    (total / count).backward()
+    for name, p in model.named_parameters():
+        assert packed[name].abs().sum() > 0, name
+        torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_padded_image_slots_give_the_same_logits(dist1):
