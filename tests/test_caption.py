@@ -195,8 +195,6 @@ def test_the_tower_trains_at_its_lr_scale(dist1):
     (["lm.tower_lr_scale=-0.1"], "lm.tower_lr_scale", ">= 0"),
     (["lm.freeze_tower=true", "lm.tower_lr_scale=0.1"], "lm.tower_lr_scale", "no lr to scale"),
     (["data.captions=long"], "data.captions", "short, shape_first"),
-    (["data.resolution=native", "train.micro_batch_size=1"], "data.resolution",
-     "fixed-size"),
 ])
 def test_caption_config_errors_exit_2(capsys, overrides, key, why):
     assert main(["train", str(VLM), *overrides]) == 2

@@ -914,9 +914,6 @@ def _validate_caption(cfg: Config, err) -> None:
     if cfg.data.resolution != "fixed" and (p.tp > 1 or p.pp > 1):
         err("data.resolution", cfg.data.resolution, "task.kind=caption under parallel.tp / "
             "pp takes fixed-size images (packed images and text run at tp=1, pp=1)")
-    if cfg.data.resolution != "fixed":
-        err("data.resolution", cfg.data.resolution, "task.kind=caption takes fixed-size "
-            "images for now")
     if lm.hidden_size % lm.num_heads:
         err("lm.num_heads", lm.num_heads, f"lm.hidden_size={lm.hidden_size} is not "
             "divisible by it")

@@ -40,13 +40,26 @@ embedding and its first layers (megatron's even split of ``lm.num_layers``), the
 its last layers, final norm, output layer and the loss. Stages exchange the language model's
 hidden states [S (/ tp), b, h] of the padded fixed length ``seq_len``. Greedy captions need
 the whole model on one stage: not under pp (vitgraph.tasks.caption leaves them out).
+
+At native resolution (``pack``: the image pack's ``PackSpec``) the tower runs packed (its
+images back to back, ``cu_seqlens`` attention) and so does the language model: each sample's
+image tokens, then its text up to its EOS, all samples of a microbatch back to back in one
+thd sequence of ``TextPackSpec.tokens`` positions, one attention segment per sample (causal
+within it), positions from 0 in each, the rest padding the loss never reads (``text_layout``).
+Greedy captions run the tower packed, then the language model with its KV cache on the
+images of each token count together.
+
+Native resolution runs at tp=1, pp=1 (config validation says so).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
@@ -54,6 +67,7 @@ from megatron.core import tensor_parallel
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -72,6 +86,88 @@ APEX_WGRAD = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not N
 # model.freeze-style patterns of the parts (lm.freeze_tower, lm.freeze_lm)
 TOWER = "visual.*"
 LANGUAGE_MODEL = "language_model.*"
+# the language model's pack length is a multiple of this (FP8 GEMMs need 16 tokens)
+TEXT_PACK_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class TextPackSpec:
+    """The language model's pack at native resolution, derived from the image pack's spec:
+    up to ``samples`` samples (the image pack's max_images), each its image's tokens and its
+    text (BOS, caption, EOS: at most ``text_length``), in ``tokens`` positions: the image
+    pack's tokens + samples x text_length (a pack always fits), rounded up to a multiple of
+    TEXT_PACK_MULTIPLE. ``max_len``: the longest sample, an image of max_patches with its
+    prefix tokens and a whole text: attention's max_seqlen, and the learned position table's
+    length (positions restart at 0 in each sample, its text's right after its image's)."""
+    tokens: int
+    samples: int
+    text_length: int
+    max_len: int
+
+    @classmethod
+    def of(cls, pack, text_length: int) -> "TextPackSpec":
+        tokens = pack.tokens + pack.max_images * text_length
+        tokens = -(-tokens // TEXT_PACK_MULTIPLE) * TEXT_PACK_MULTIPLE
+        return cls(tokens, pack.max_images, text_length, pack.max_len + text_length)
+
+    @property
+    def num_segments(self) -> int:
+        """The samples, then the padding in runs of at most max_len (as an image pack's)."""
+        return self.samples + -(-self.tokens // self.max_len)
+
+
+def text_layout(seg, tokens, eos: int, spec: TextPackSpec) -> tuple[torch.Tensor, ...]:
+    """The language model's pack for an image pack whose tokens' slots are ``seg`` [T] (the
+    image pack's field: slot i's tokens contiguous, ``samples`` for padding) and whose
+    samples' text ids are ``tokens`` [samples, text_length], on the host (the loader's CPU
+    tensors; fixed shapes out, so one graph serves every pack):
+
+    * ``src`` int64 [tokens]: at each position, its row of [image pack rows (T), text
+      embeddings (samples x text_length, row-major), a zero row]; padding takes the zero row;
+    * ``positions`` int64 [tokens]: from 0 in each sample (image, then text), 0 for padding;
+    * ``cu_seqlens`` int32 [num_segments + 1]: each slot's sample (empty slots: empty
+      segments), then the padding in runs of at most max_len, then empty segments;
+    * ``text_rows`` int64 [samples, text_length]: the position of each text token; a place
+      past the sample's EOS (or of an empty slot) points at the last position (its logits
+      are never read: ``caption.text_targets`` ignores them).
+
+    A sample's text runs to its first EOS (the whole text_length where there is none)."""
+    seg = torch.as_tensor(seg).numpy().astype(np.int64)
+    tok = torch.as_tensor(tokens).numpy()
+    M, Lt, T = spec.samples, spec.text_length, seg.shape[0]
+    if tok.shape != (M, Lt):
+        raise ValueError(f"text ids {tok.shape} for a pack of {M} samples of {Lt}")
+    n_img = np.bincount(seg, minlength=M + 1)[:M]
+    first = np.full(M + 1, T, dtype=np.int64)
+    np.minimum.at(first, seg, np.arange(T, dtype=np.int64))
+    ends = tok == eos
+    n_txt = np.where(n_img > 0, np.where(ends.any(1), ends.argmax(1) + 1, Lt), 0)
+    n = n_img + n_txt
+    if n.sum() > spec.tokens:
+        raise ValueError(f"{int(n.sum())} tokens for a language-model pack of {spec.tokens}")
+    start = np.cumsum(n) - n
+
+    def runs(counts):  # (sample, place within its run) of every element of the runs
+        k = np.repeat(np.arange(M), counts)
+        return k, np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+
+    src = np.full(spec.tokens, T + M * Lt, dtype=np.int64)
+    pos = np.zeros(spec.tokens, dtype=np.int64)
+    i, k = runs(n_img)
+    at = start[i] + k
+    src[at], pos[at] = first[:M][i] + k, k
+    i, j = runs(n_txt)
+    at = start[i] + n_img[i] + j
+    src[at], pos[at] = T + i * Lt + j, n_img[i] + j
+    rows = np.full((M, Lt), spec.tokens - 1, dtype=np.int64)
+    rows[i, j] = at
+    bounds, used = [0, *np.cumsum(n).tolist()], int(n.sum())
+    while used < spec.tokens:
+        used = min(used + spec.max_len, spec.tokens)
+        bounds.append(used)
+    bounds += [spec.tokens] * (spec.num_segments + 1 - len(bounds))
+    return (torch.from_numpy(src), torch.from_numpy(pos),
+            torch.tensor(bounds, dtype=torch.int32), torch.from_numpy(rows))
 
 
 # the language model's vocabulary is padded to a multiple of this (and of tp): the same
@@ -104,11 +200,13 @@ class CaptionModel(MegatronModule):
     (None elsewhere), the language model's part of the stage. ``image_len``: the tower's
     tokens an image; ``text_length``: text positions; ``vocab_size``: the tokenizer's (the
     language model's may be padded); ``pad_to``: micro-batch -> the multiple the language
-    model's sequence is padded to (None: never)."""
+    model's sequence is padded to (None: never); ``text_pack``: native resolution, the
+    language model's pack."""
 
     def __init__(self, visual: ViT | None, projector: MultimodalProjector | None,
                  language_model: GPTModel, *, image_len: int, text_length: int,
-                 vocab_size: int, pad_to=None):
+                 vocab_size: int, pad_to=None,
+                 text_pack: TextPackSpec | None = None):
         super().__init__(config=language_model.config)
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process = language_model.pre_process
@@ -117,6 +215,7 @@ class CaptionModel(MegatronModule):
         self.visual, self.projector, self.language_model = visual, projector, language_model
         self.image_len, self.text_length = image_len, text_length  # image tokens before the text
         self.vocab_size, self.pad_to = vocab_size, pad_to
+        self.text_pack = text_pack  # native resolution: the language model's pack
         self.sequence_parallel = language_model.config.sequence_parallel
         out = language_model.output_layer if self.post_process else None
         if out is not None and out.sequence_parallel:
@@ -192,10 +291,15 @@ class CaptionModel(MegatronModule):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
 
-    def forward(self, images: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, images, tokens: torch.Tensor, layout=None) -> torch.Tensor:
         """Images [b, 3, H, W] and text ids [b, L] -> logits [b, L, vocab (/ tp)]; position
         i's logits predict text token i + 1. A stage before the last returns its hidden
-        states; a stage after the first takes the images as None."""
+        states; a stage after the first takes the images as None. At native resolution
+        ``images`` is an image pack (x, coords, seg, cu_seqlens), ``tokens`` [M, L] its slots'
+        text ids and ``layout`` the language model's pack (``text_layout``): logits
+        [M, L, vocab]."""
+        if layout is not None:
+            return self.packed_text_logits(self.packed_image_tokens(images), tokens, layout)
         hidden = None
         if self.pre_process:
             hidden = self.lm_input(self.image_tokens(images), tokens)
@@ -203,6 +307,34 @@ class CaptionModel(MegatronModule):
         if not self.post_process:
             return hidden
         return self.text_logits(hidden, tokens.shape[1])
+
+    def packed_image_tokens(self, pack) -> torch.Tensor:
+        """An image pack (x, coords, seg, cu_seqlens) -> [T, lm width]: the tower's tokens
+        through the projector (padding rows too: no sample reads them)."""
+        return self.projector(self.visual.forward_features(*pack)[:, None])[:, 0]
+
+    def packed_text_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
+                           layout) -> torch.Tensor:
+        """[M, L, vocab]: the text positions' logits of the language model's pack (see
+        ``text_layout``) over ``image_tokens`` [T, h] and the slots' ids ``tokens`` [M, L]."""
+        src, positions, cu_seqlens, text_rows = layout
+        lm, spec = self.language_model, self.text_pack
+        emb = lm.embedding
+        words = emb.word_embeddings(tokens)  # [M, L, h]
+        m, length, h = words.shape
+        rows = torch.cat([image_tokens.to(words.dtype), words.reshape(m * length, h),
+                          words.new_zeros(1, h)])
+        x = rows[src] + emb.position_embeddings(positions)
+        x = emb.embedding_dropout(x[:, None])  # [tokens, 1, h]
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens,
+                                 cu_seqlens_kv=cu_seqlens, max_seqlen_q=spec.max_len,
+                                 max_seqlen_kv=spec.max_len)
+        # the torch spec's slot attention computes the samples' segments only (the padding
+        # runs after them are never read); layer graphs drop it and compute them all
+        params.image_segments = spec.samples
+        hidden = lm.decoder(hidden_states=x, attention_mask=None, packed_seq_params=params)
+        text = hidden[:, 0][text_rows.reshape(-1)].view(m, length, h)
+        return self._logits(text.transpose(0, 1).contiguous()).transpose(0, 1)
 
     def next_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
                     cache: StaticInferenceContext) -> torch.Tensor:
@@ -216,30 +348,67 @@ class CaptionModel(MegatronModule):
         return self._logits(hidden[-1:])[0]
 
     @torch.no_grad()
-    def generate(self, images: torch.Tensor, bos: int, eos: int, length: int,
-                 pad: int = 0) -> torch.Tensor:
+    def generate(self, images, bos: int, eos: int, length: int, pad: int = 0) -> torch.Tensor:
         """Greedy captions, int64 [b, length]: BOS, then the argmax token until EOS or the
         budget; padding after EOS. With megatron-core's KV cache: the image tokens and BOS in
         one pass, then one position per token (under sequence parallel the whole sequence
         again for each token). In eval mode: megatron drops the causal mask of a one-token
         step only outside training. The whole model on one stage; under tp every rank of the
-        group calls it with the same images."""
+        group calls it with the same images. ``images`` may be an image pack (x, coords, seg,
+        cu_seqlens): [M, length], one row per slot (an empty slot's: padding)."""
         if not (self.pre_process and self.post_process):
             raise RuntimeError("greedy captions need the whole caption model on one stage "
                                "(parallel.pp=1)")
+        if isinstance(images, (tuple, list)):
+            return self.generate_packs([images], bos, eos, length, pad)[0]
+        with self._eval_mode():
+            return self._greedy(self.image_tokens(images), bos, eos, length, pad)
+
+    @torch.no_grad()
+    def generate_packs(self, packs: list, bos: int, eos: int, length: int,
+                       pad: int = 0) -> list[torch.Tensor]:
+        """``generate`` for each of ``packs`` (image packs): the tower on each pack, then the
+        language model (KV cache) on all the images of one token count together, each
+        sample's positions from 0 as in training. A pack's images mostly differ in size: one
+        pack's samples alone would decode a few at a time."""
+        with self._eval_mode():
+            tokens, where = [], {}  # each pack's [T, h]; token count -> [(pack, slot)]
+            for k, pack in enumerate(packs):
+                tokens.append(self.packed_image_tokens(pack))
+                seg = pack[2]
+                M, T = self.visual.pack.max_images, seg.shape[0]
+                count = torch.bincount(seg, minlength=M + 1)[:M].tolist()
+                first = torch.full((M + 1,), T, dtype=torch.long, device=seg.device)
+                first = first.scatter_reduce(0, seg, torch.arange(T, device=seg.device),
+                                             "amin").tolist()
+                for slot, n in enumerate(count):
+                    if n:
+                        where.setdefault(n, []).append((k, slot, first[slot]))
+            out = [torch.full((self.visual.pack.max_images, length), pad, dtype=torch.long,
+                              device=t.device) for t in tokens]
+            for n, places in sorted(where.items()):
+                image = torch.stack([tokens[k][at:at + n] for k, _, at in places], 1)
+                ids = self._greedy(image, bos, eos, length, pad)  # image: [n, b, h]
+                for (k, slot, _), row in zip(places, ids):
+                    out[k][slot] = row
+            return out
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
         was_training = self.training
         self.eval()
         try:
-            return self._greedy(images, bos, eos, length, pad)
+            yield
         finally:
             self.train(was_training)
 
-    def _greedy(self, images, bos: int, eos: int, length: int, pad: int) -> torch.Tensor:
-        image = self.image_tokens(images)
-        b = images.shape[0]
-        out = torch.full((b, length), pad, dtype=torch.long, device=images.device)
+    def _greedy(self, image: torch.Tensor, bos: int, eos: int, length: int,
+                pad: int) -> torch.Tensor:
+        """Greedy captions after ``image`` [n, b, h] (projected image tokens)."""
+        b, device = image.shape[1], image.device
+        out = torch.full((b, length), pad, dtype=torch.long, device=device)
         out[:, 0] = bos
-        done = torch.zeros(b, dtype=torch.bool, device=images.device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
         if self.sequence_parallel:
             def logits_at(i):  # the whole sequence: a one-token step cannot be split
                 hidden = self.language_model.decoder(hidden_states=self.lm_input(image, out),
@@ -265,7 +434,7 @@ def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size
                   seed: int = 0, class_token: bool = True, num_registers: int = 0,
                   fused_norm: bool = False, drop_path_rate: float = 0.0, tp_rank: int = 0,
                   first_stage: bool = True, last_stage: bool = True,
-                  pad_to=None) -> CaptionModel:
+                  pad_to=None, pack=None, pos_interp: str = "bicubic") -> CaptionModel:
     """This rank's caption model. ``base``: the tower's TransformerConfig (precision, the
     parallel layout); ``lm``: the language model's sizes (the plan's ``Caption``: num_layers,
     hidden_size, num_heads, ffn_hidden_size, init_std, projector, text_length);
@@ -273,13 +442,18 @@ def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size
     projector on the first); ``pad_to``: micro-batch -> the multiple both models pad their
     token sequences to (sequence parallel, FP8; None: none): the tower with a key-padding
     mask, the language model at its causal end. Every weight is drawn layout-independently
-    (vitgraph.models.init) under ``visual.``, ``projector.`` and ``language_model.``."""
+    (vitgraph.models.init) under ``visual.``, ``projector.`` and ``language_model.``.
+    ``pack`` (the image pack's PackSpec): native resolution (tp=1, pp=1), the tower takes
+    packs (padded slots with a key mask) with positions resampled by ``pos_interp``, the
+    language model packs of ``TextPackSpec.of(pack, lm.text_length)``; its position table
+    covers the longest image (max_patches and the prefix tokens) and a whole text."""
     tp = base.tensor_model_parallel_size
     vocab = padded_vocab(vocab_size, tp)
     # the tower and the projector sit whole on the first pipeline stage
     one_stage = dataclasses.replace(base, pipeline_model_parallel_size=1,
                                     virtual_pipeline_model_parallel_size=None)
     visual = projector = None
+    text_pack = TextPackSpec.of(pack, lm.text_length) if pack is not None else None
     ffn = lm.ffn_hidden_size or 4 * lm.hidden_size
     lcfg = dataclasses.replace(
         tower_config(base, hidden_size=lm.hidden_size, num_layers=lm.num_layers,
@@ -290,11 +464,11 @@ def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size
         # weight-gradient accumulation without APEX's kernel
         gradient_accumulation_fusion=base.gradient_accumulation_fusion and APEX_WGRAD)
     if first_stage:
-        visual = ViT(one_stage, get_layer_spec(spec, padding_mask=pad_to is not None,
-                                               fused_norm=fused_norm,
+        padding = pad_to is not None or (pack is not None and pack.padded)
+        visual = ViT(one_stage, get_layer_spec(spec, padding_mask=padding, fused_norm=fused_norm,
                                                drop_path_rate=drop_path_rate),
                      tower_arch, 0, num_registers=num_registers, class_token=class_token,
-                     head="none", pad_to=pad_to)
+                     head="none", pad_to=pad_to, pack=pack, pos_interp=pos_interp)
         init_weights(visual, seed, tp_rank, tp, prefix="visual.")
         # its input is the tower's gathered tokens: tensor-parallel linears, no sequence
         # split (the image's token count need not divide by tp)
@@ -314,13 +488,15 @@ def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size
                 lm.projector, tower_arch.hidden_size)
         init_weights(projector, seed, tp_rank, tp, prefix="projector.")
     image_len = sequence_length(tower_arch, class_token, num_registers)
+    positions = text_pack.max_len if text_pack else image_len + lm.text_length
     with torch.random.fork_rng(devices=[]):
         language_model = GPTModel(lcfg, block_spec(spec, lcfg, causal=True), vocab,
-                                  image_len + lm.text_length, pre_process=first_stage,
+                                  positions, pre_process=first_stage,
                                   post_process=last_stage, parallel_output=True,
                                   position_embedding_type="learned_absolute")
     init_weights(language_model, seed, tp_rank, tp, prefix="language_model.",
                  rows={"embedding.word_embeddings.weight": vocab_size,
                        "output_layer.weight": vocab_size})
     return CaptionModel(visual, projector, language_model, image_len=image_len,
-                        text_length=lm.text_length, vocab_size=vocab_size, pad_to=pad_to)
+                        text_length=lm.text_length, vocab_size=vocab_size, pad_to=pad_to,
+                        text_pack=text_pack)

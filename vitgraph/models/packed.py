@@ -151,16 +151,20 @@ def segment_slots(cu_seqlens: torch.Tensor, tokens: int, max_len: int,
 
 
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Slots,
-                   dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
+                   dropout: float = 0.0, scale: float | None = None,
+                   causal: bool = False) -> torch.Tensor:
     """Self-attention within each slot by SDPA: [S L, h, d] rows in slot order (``Slots``)
     -> [T, h, d] tokens. Fixed shapes, segments x max_len^2 work instead of the T^2 of a
     block-diagonal mask (20x less for the tiny CPU config's packs of 2,048 tokens in runs of
-    <= 65)."""
+    <= 65). ``causal``: a token attends to its segment's tokens up to itself (a packed
+    language model: every segment starts at its slot's first place)."""
     S, L = slots.rows, slots.max_len
     q, k, v = (t.view(S, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
     valid = slots.valid.view(S, L)
     # an empty segment's slot attends to its (unused) tail rather than to nothing (0 / 0)
     keep = (valid | ~valid.any(-1, keepdim=True))[:, None, None, :]
+    if causal:
+        keep = keep & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout,
                                          scale=scale)
     return slots.scatter(out.transpose(1, 2).reshape(S * L, *out.shape[1::2]))

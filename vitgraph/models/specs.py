@@ -311,12 +311,13 @@ class SDPAttention(MegatronModule):
     queries than keys are the last positions).
     With ``packed_seq_params`` in the ``thd`` format (packed images, vitgraph.models.vit)
     the query arrives squeezed, [t, heads, d], and attends only within its own segment of
-    ``cu_seqlens_q``: in slots (``PackedSelfAttention``) without a mask, else by a
-    block-diagonal mask (the reference for TE's thd attention).
+    ``cu_seqlens_q`` (and, causal, to the tokens before it there: a packed language model):
+    in slots (``PackedSelfAttention``) without a mask, else by a block-diagonal mask (the
+    reference for TE's thd attention).
     """
 
     def takes_slots(self, head_dim: int) -> bool:
-        return not self.causal
+        return True
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -331,9 +332,12 @@ class SDPAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         slots = getattr(packed_seq_params, "slots", None)
+        # the mask type megatron passes: at a KV cache's decode steps it is no_mask
+        causal = self.causal if attn_mask_type is None else attn_mask_type in CAUSAL
         if slots is not None:  # rows in slot order (PackedSelfAttention)
             out = pk.slot_attention(query, key, value, slots,
-                                    self.dropout if self.training else 0.0, self.softmax_scale)
+                                    self.dropout if self.training else 0.0, self.softmax_scale,
+                                    causal)
             return out.reshape(out.shape[0], -1)
         if thd:  # [t, h, d]: one sequence of segments
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
@@ -345,8 +349,6 @@ class SDPAttention(MegatronModule):
                 raise NotImplementedError("packed self-attention takes one cu_seqlens tensor")
             blocks = pk.block_diagonal(cu, q.shape[2])
             keep = blocks if keep is None else keep & blocks
-        # the mask type megatron passes: at a KV cache's decode steps it is no_mask
-        causal = self.causal if attn_mask_type is None else attn_mask_type in CAUSAL
         s_q, s_k = q.shape[2], k.shape[2]
         if causal and (keep is not None or s_q != s_k):
             # SDPA takes a mask or is_causal, and its is_causal aligns the queries with the
@@ -461,8 +463,13 @@ def _te_slot_attention():
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     class TESlotAttention(TEDotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, *args, **kwargs):
+            super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
+            self.masks_causally = attn_mask_type in CAUSAL
+
         def takes_slots(self, head_dim: int) -> bool:
-            return head_dim not in THD_HEAD_DIMS
+            # a causal (language model) pack stays thd: megatron makes its mask padding_causal
+            return head_dim not in THD_HEAD_DIMS and not self.masks_causally
 
         def forward(self, query, key, value, attention_mask, attn_mask_type,
                     attention_bias=None, packed_seq_params=None, num_splits=None):

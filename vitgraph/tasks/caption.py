@@ -16,6 +16,10 @@ projector, a GPT language model), by next-token loss on each image's caption.
   numbers are the loss and perplexity only.
 * Tensor parallel: the logits are split over the vocabulary (megatron's
   ``vocab_parallel_cross_entropy``, and an argmax across the ranks for top-1 and captions).
+* Native resolution (plan.pack): a microbatch is one image pack with its slots' text ids
+  [M, text_length]; ``prepare`` lays out the language model's pack on the host
+  (vitgraph.models.caption.text_layout) and the model returns [M, text_length] logits, so
+  the loss and the metrics are the fixed path's, over the slots holding an image.
 """
 from __future__ import annotations
 
@@ -29,16 +33,20 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from vitgraph.convert.vlm import init_caption
 from vitgraph.data.augment import BatchAugment, prepare_batch
+from vitgraph.models import packed as pk
 from vitgraph.models.build import transformer_config
-from vitgraph.models.caption import build_caption, vocab_parallel_argmax
-from vitgraph.models.vit import unwrap, vit_flops_per_image
+from vitgraph.models.caption import (TextPackSpec, build_caption, text_layout,
+                                     vocab_parallel_argmax)
+from vitgraph.models.vit import unwrap, vit_flops_per_image, vit_flops_per_token
 from vitgraph.tasks.base import Task, reduce_stats, require_captions, stats
+from vitgraph.tasks.classification import prepare_pack
 from vitgraph.text import make_tokenizer
 
 log = logging.getLogger("vitgraph")
 
 IGNORE = -100  # a target out of the loss (F.cross_entropy's ignore_index)
 SHOWN = 3  # greedy captions written to the log at each eval
+GENERATE_PACKS = 64  # held-out packs whose greedy captions are decoded together
 
 
 def text_targets(tokens: torch.Tensor, eos: int, ignore: int = IGNORE) -> torch.Tensor:
@@ -70,6 +78,10 @@ class CaptionTask(Task):
         self.augment = None
         self.class_patterns: list = []  # each class name as the tokenizer decodes it
         self.said_no_captions = False
+        self.pack = getattr(plan, "pack", None)  # native resolution: the image pack
+        self.text_pack = None if self.pack is None else \
+            TextPackSpec.of(self.pack, self.lm.text_length)
+        self.flops_per_token = (0.0, 0.0)  # native: per image token, per token pair
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
@@ -84,7 +96,7 @@ class CaptionTask(Task):
             re.compile(rf"(?<!\w){re.escape(self.tokenizer.decode(self.tokenizer.encode(c)))}"
                        rf"(?!\w)") for c in val_set.classes]
         a = self.plan.data.augment
-        if a.enabled:  # crops, flips, RandAugment, erasing (no mixing: validated)
+        if a.enabled and self.pack is None:  # crops, flips, RandAugment, erasing (no mixing)
             self.augment = BatchAugment(a, self.image_size, self.num_classes, 0.0,
                                         self.plan.train.seed, self.d.dp_rank)
 
@@ -95,12 +107,17 @@ class CaptionTask(Task):
                               num_registers=m.num_registers, fused_norm=plan.fused_norm,
                               drop_path_rate=m.drop_path_rate, tp_rank=d.tp_rank,
                               first_stage=d.is_first_stage, last_stage=d.is_last_stage,
-                              pad_to=plan.token_padding if plan.pads else None)
+                              pad_to=plan.token_padding if plan.pads else None, pack=self.pack,
+                              pos_interp=getattr(plan, "pos_interp", "bicubic"))
         # FLOPs: the tower's, T (6N + 12 L d T) over the LM's sequence (N: its layers' and
         # the projector's weights), the output layer's over the text
         s, h = model.image_len + lm.text_length, lm.hidden_size
         n_lm = lm.num_layers * (4 * h * h + 2 * h * lm.ffn_hidden_size) + \
             self.arch.hidden_size * h + (h * h if lm.projector == "mlp" else 0)
+        if self.pack is not None:  # counted over the image tokens only (the loader's counts)
+            per_token, per_pair = vit_flops_per_token(self.arch, model.visual.num_prefix, 0)
+            self.flops_per_token = (per_token + 6 * n_lm,
+                                    per_pair + 12 * lm.num_layers * lm.hidden_size)
         self.flops_per_sample = (
             vit_flops_per_image(self.arch, int(m.class_token) + m.num_registers, 0)
             + s * (6 * n_lm + 12 * lm.num_layers * h * s)
@@ -113,26 +130,54 @@ class CaptionTask(Task):
     def describe(self, chunks, micro_batch):
         m, lm = unwrap(chunks[0]), self.lm
         n = sum(p.numel() for p in m.parameters())
-        return (f"{self.plan.model.name} -> {lm.projector} projector -> GPT ({lm.num_layers} "
+        head = (f"{self.plan.model.name} -> {lm.projector} projector -> GPT ({lm.num_layers} "
                 f"layers, width {lm.hidden_size}, {lm.num_heads} heads, {lm.vocab_size} "
-                f"{lm.tokenizer} ids), spec {self.plan.spec}, {n} params on this rank, "
-                f"{m.image_len} image + {lm.text_length} text positions, "
-                f"{self.flops_per_sample / 1e9:.2f} GFLOP/sample (train)")
+                f"{lm.tokenizer} ids), spec {self.plan.spec}, {n} params on this rank, ")
+        if self.pack is not None:
+            k, t = self.pack, self.text_pack
+            return head + (f"image packs of {k.tokens} tokens ({m.visual.packed_attention}: at "
+                           f"most {k.max_images} images of <= {k.max_patches} patches + "
+                           f"{k.num_prefix} prefix tokens), language-model packs of {t.tokens} "
+                           f"tokens (thd: each image's tokens, then its text of <= "
+                           f"{lm.text_length}; {t.max_len} positions a sample at most)")
+        return head + (f"{m.image_len} image + {lm.text_length} text positions, "
+                       f"{self.flops_per_sample / 1e9:.2f} GFLOP/sample (train)")
 
     def seq_length(self, chunks, micro_batch):
         return unwrap(chunks[0]).seq_len(micro_batch)
 
     def prepare(self, raw, key, device, first_stage):
+        if self.pack is not None:
+            return self._prepare_pack(raw, key, device, first_stage)
         images, labels, tokens = raw
         x, _ = prepare_batch(self.augment, images, labels, key, self.image_size, device,
                              torch.float32, first_stage)
         return (x, tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
 
+    def _prepare_pack(self, raw, key, device, first_stage):
+        """(x, coords, seg, cu_seqlens, tokens, labels, *text layout) of one pack on the
+        device: the image pack as the classifier's (augmented per image when training), the
+        language model's pack laid out from its CPU fields (``text_layout``); an empty slot's
+        label is fill_label."""
+        tokens = raw[5]
+        layout = text_layout(raw[2], tokens, self.tokenizer.eot_id, self.text_pack)
+        x, coords, seg, cu, labels = prepare_pack(raw[:5], key, device, first_stage, self.plan,
+                                                  self.d)
+        labels = torch.where(pk.slot_valid(seg, self.pack.max_images), labels, self.fill_label)
+        return (x, coords, seg, cu, tokens.to(device, non_blocking=True), labels,
+                *(t.to(device, non_blocking=True) for t in layout))
+
     def forward(self, model, inputs):
+        if self.pack is not None:
+            return model(tuple(inputs[:4]), inputs[4], tuple(inputs[6:10]))
         return model(inputs[0], inputs[1])
 
+    def _text(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(text ids [b, L], labels [b]) of a prepared microbatch (a pack's: per slot)."""
+        return (inputs[4], inputs[5]) if self.pack is not None else (inputs[1], inputs[2])
+
     def loss(self, inputs, output):
-        tokens, labels = inputs[1], inputs[2]
+        tokens, labels = self._text(inputs)
         targets = text_targets(tokens, self.tokenizer.eot_id)
         # samples that only fill an eval microbatch up are out
         targets = torch.where(labels[:, None] == self.fill_label, IGNORE, targets)
@@ -154,8 +199,9 @@ class CaptionTask(Task):
     # ------------------------------------------------------------------ held-out
 
     def eval_outputs(self, inputs, output):
-        return {"stats": self.loss(inputs, output)[1], "images": inputs[0],
-                "labels": inputs[2]}
+        images = tuple(inputs[:4]) if self.pack is not None else inputs[0]
+        return {"stats": self.loss(inputs, output)[1], "images": images,
+                "labels": self._text(inputs)[1]}
 
     @torch.no_grad()
     def eval_metrics(self, outputs, chunks):
@@ -163,16 +209,27 @@ class CaptionTask(Task):
         # [images, class hits, images with a class (WebDataset pairs may have none)]
         hits = torch.zeros(3, device=self.d.device)
         shown = []
+        tok = self.tokenizer
         generate = self.d.pp == 1  # greedy captions need the whole model on one stage
-        for o in outputs:
+        if generate and self.pack is not None:  # every pack's captions at once (generate_packs)
+            ids = [None] * len(outputs)
+            for lo in range(0, len(outputs), GENERATE_PACKS):
+                part = outputs[lo:lo + GENERATE_PACKS]
+                ids[lo:lo + len(part)] = model.generate_packs(
+                    [o["images"] for o in part], tok.sot_id, tok.eot_id, self.lm.text_length,
+                    tok.pad_id)
+        for i, o in enumerate(outputs):
             hits[0] += int((o["labels"] != self.fill_label).sum())
             keep = o["labels"] >= 0
             if not generate or not keep.any():
                 continue
-            images, labels = o["images"][keep], o["labels"][keep]
-            ids = model.generate(images, self.tokenizer.sot_id, self.tokenizer.eot_id,
-                                 self.lm.text_length, self.tokenizer.pad_id)
-            texts = [self.tokenizer.decode(row) for row in ids.cpu()]
+            labels = o["labels"][keep]
+            if self.pack is not None:  # a pack's captions per slot: its empty slots out
+                out = ids[i][keep]
+            else:
+                out = model.generate(o["images"][keep], tok.sot_id, tok.eot_id,
+                                     self.lm.text_length, tok.pad_id)
+            texts = [tok.decode(row) for row in out.cpu()]
             found = [first_class(t, self.class_patterns) for t in texts]
             hits[1] += sum(int(f == int(y)) for f, y in zip(found, labels.tolist()))
             hits[2] += len(labels)
