@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from vitgraph.graphs import GraphManager, GraphsConfig, RerunBackend
 from vitgraph.graphs import cudnn as gcudnn
+from vitgraph.graphs import manager as gmanager
 from vitgraph.graphs import tree
 from vitgraph.graphs.te_impl import _kwargs_for
 
@@ -415,7 +416,10 @@ def test_shared_pool_first_backward_with_an_unused_output_and_a_leaf_input():
         assert_grads_equal(graphed, eager)
 
 
-def test_pool_auto_is_shared_only_without_a_pipeline_under_megatron_ddp():
+def test_pool_auto_is_shared_only_without_a_pipeline_under_megatron_ddp(monkeypatch):
+    # no megatron parallel state, whatever an earlier test of the process left behind
+    monkeypatch.setattr(gmanager, "_megatron_pipeline_size", lambda: None)
+
     def mode(pp, ddp):
         mgr = GraphManager(GraphsConfig(enabled=True), [Toy()], backend=RerunBackend(), pipeline_size=pp)
         mgr._ddp = ddp
