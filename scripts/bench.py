@@ -69,6 +69,30 @@ ratio 0.5-2, shorter side 128-512, each at its NaFlex grid for ``--max-patches``
                          patch_valid masks, autocast bf16, fused AdamW
 Rows report ``images_per_s``, ``real_tokens_per_s`` (patch tokens of real images per second),
 ``tokens_per_s`` (computed, padding included) and ``real_share``.
+
+The tower inside a VLM (``--vlm``): the native stream through vitgraph's captioning VLM
+(task.kind=caption: the tower -> megatron-core's MLP projector -> a GPT decoder of
+--lm-layers x --lm-width x --lm-heads, default 24 x 1280 x 20, 0.54B with CLIP BPE's
+embedding: configs/vlm-so400m16-native.yaml's), each image with a synthetic caption of
+--min-text to --text-length ids (BOS to EOS, seeded; only the lengths matter to the time):
+
+    python scripts/bench.py --vlm --max-patches 256 576 1024 --timm-batch 32 \
+        --out benchmarks/h200/vlm-so400m16.json   # the graphed systems by default
+
+  vitgraph+packed[+graphs|+step-graphs]  data.resolution=native: the tower on image packs,
+                         the GPT on one thd pack of each pack's samples (image tokens, then the
+                         caption up to EOS); eager / layer graphs / the step as one graph
+  vitgraph+padded[+graphs]  the tower's images in max_patches slots (data.packing.layout=
+                         padded); the caption task packs the GPT's sequences in this layout too
+  vitgraph+dense[+graphs|+step-graphs]  the model padded: the fixed composition at the square
+                         grid of max_patches, --timm-batch images a step, every image padded to
+                         that grid and every caption to --text-length
+Rows are samples (``images_per_s``) and ``real_tokens_per_s``: image patches + caption tokens
+actually in the samples. ``tower_share``: the tower alone (a class head, the same system on the
+same images: the native classifier's packs / slots, the fixed classifier at that size) runs
+after each row; its seconds per step over the VLM's (--no-tower-share skips it). The
+microbatches stay on the host (pinned): the caption task lays the GPT's pack out from their CPU
+fields, then copies them over.
 """
 from __future__ import annotations
 
@@ -86,6 +110,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -447,7 +472,8 @@ NATIVE_SYSTEMS = {"vitgraph+packed": ("thd", None, "layer"),
                   "vitgraph+padded": ("padded", None, "layer"),
                   "vitgraph+padded+step-graphs": ("padded", "local", "step")}
 NATIVE_PEERS = ("timm-naflex", "timm-naflex+compile")
-NATIVE_MODELS = ("vit_b16_224", "vit_l16_224", "vit_so400m16_256", "vit_so400m14_378")
+NATIVE_MODELS = ("vit_b16_224", "vit_l16_224", "vit_so400m16_256", "vit_so400m14_378",
+                 "vit_pico_patch4_32")  # pico: the CPU tests'
 
 
 def native_stream(n: int, seed: int, patch: int, max_patches: int, sides=(128, 512),
@@ -546,17 +572,23 @@ def _measure_cycle(steps: list, counts: list, warmup: int, iters: int) -> dict:
 def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int, *,
                           pack_tokens: int, max_images: int, packs_per_step: int,
                           padded_images: int, warmup: int, iters: int, num_classes: int,
-                          overrides: list[str] = (), seed: int = 0) -> dict:
+                          overrides: list[str] = (), seed: int = 0,
+                          captions: "Captions | None" = None) -> dict:
     """vitgraph's Trainer step on the stream at native resolution: packs of ``pack_tokens``
     (``packs_per_step`` a step, thd attention), or each image padded to ``max_patches`` in a
     slot of its own (``padded_images`` slots, one microbatch a step; a key-padding mask:
     data.packing.layout=padded), as ``system`` (NATIVE_SYSTEMS) says. Its microbatches, made
-    from the stream beforehand, are on the device as the loader's prefetcher hands them over."""
+    from the stream beforehand, are on the device as the loader's prefetcher hands them over.
+
+    ``captions``: the captioning VLM's step instead (task.kind=caption, --vlm): each image
+    with its caption's ids; the microbatches stay on the host (pinned), as the caption task
+    lays the language model's pack out from their CPU fields when it prepares them (then
+    copies them over), and real tokens count the text's too."""
     from vitgraph.config import load_config
     from vitgraph.data import images_per_pack
     from vitgraph.data.packing import PackSpec, assemble
     from vitgraph.train.loop import Trainer
-    attention, impl, scope = NATIVE_SYSTEMS[system]
+    attention, impl, scope = {**NATIVE_SYSTEMS, **VLM_SYSTEMS}[system]
     padded = attention == "padded"
     k = 1 if padded else packs_per_step
     over = [f"model.name={model}", "model.spec=te", "data.kind=shapes", "data.num_train=64",
@@ -567,10 +599,11 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
             "train.tensorboard=false", "train.progress=false", "optim.clip_grad=1.0",
             "data.augment.enabled=false", "train.label_smoothing=0",
             "data.augment.mixup_alpha=0", "data.augment.cutmix_alpha=0",
-            f"run.dir=/tmp/vitgraph-bench/native-{model}-{max_patches}-{system}"]
+            f"run.dir=/tmp/vitgraph-bench/native-{model}-{max_patches}-{system}"
+            + ("-vlm" if captions else "")]
     over += (["graphs.enabled=true", f"graphs.impl={impl}", f"graphs.scope={scope}",
               "graphs.warmup_steps=2"] if impl else ["graphs.enabled=false"])
-    over += [*overrides]
+    over += [*overrides, *(captions.overrides if captions else [])]
     probe = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
                         [*over, f"data.packing.tokens_per_microbatch={pack_tokens}",
                          f"train.global_batch_size={_world()}"])
@@ -595,6 +628,8 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     rank = trainer.d.dp_rank
     pixels = _Pixels(spec.patch_dim, seed)
     labels = torch.randint(0, num_classes, (len(grids),), generator=torch.Generator().manual_seed(seed))
+    text = captions.ids(trainer.task.tokenizer, len(grids)) if captions else None
+    device = "cpu" if captions else trainer.d.device
     if padded:  # this rank's share of each step's images, one microbatch of slots
         plan = [[b[rank * padded_images:(rank + 1) * padded_images]]
                 for b in batched_steps(grids, padded_images * dp)]
@@ -607,11 +642,18 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
             g = [grids[i] for i in idx]
             fields = assemble([pixels.rows(i, grids[i]) for i in idx], g,
                               [int(labels[i]) for i in idx], spec)
-            mbs.append(tuple(t.to(trainer.d.device) for t in fields))
+            if text is not None:  # [slots, text_length], zero for empty slots
+                fields = (*fields, torch.zeros(spec.max_images, text.shape[1], dtype=text.dtype))
+                fields[-1][:len(idx)] = text[idx]
+            mbs.append(tuple(_pinned(t) if device == "cpu" else t.to(device) for t in fields))
         batches.append(mbs)
         n_img = sum(len(idx) for idx in step)
         real = sum(grids[i][0] * grids[i][1] for idx in step for i in idx)
-        counts.append((n_img * dp, real * dp, len(step) * spec.tokens * dp))
+        computed = len(step) * spec.tokens
+        if text is not None:  # + each caption's tokens (BOS to EOS); the LM pack's positions
+            real += sum(captions.length(i) for idx in step for i in idx)
+            computed += len(step) * trainer.task.text_pack.tokens
+        counts.append((n_img * dp, real * dp, computed * dp))
     state = {"step": 0}
 
     def one(mbs):
@@ -633,6 +675,172 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     finally:
         trainer.close(shutdown_dist=False)
         del trainer
+
+
+# ---------------------------------------------------------------- the tower inside a VLM (--vlm)
+
+# system -> (image layout, graphs.impl or None, graphs.scope) of the captioning VLM's rows.
+# packed / padded: data.resolution=native (padded: the tower's images in max_patches slots;
+# the caption task packs the language model's sequences either way); dense: the fixed
+# composition at the max_patches grid, every image padded to it and every text to
+# lm.text_length (one dense [batch, image + text] sequence: the padded model a fixed-shape
+# graph needs without packing)
+VLM_SYSTEMS = {"vitgraph+packed": ("thd", None, "layer"),
+               "vitgraph+packed+graphs": ("thd", "local", "layer"),
+               "vitgraph+packed+step-graphs": ("thd", "local", "step"),
+               "vitgraph+padded": ("padded", None, "layer"),
+               "vitgraph+padded+graphs": ("padded", "local", "layer"),
+               "vitgraph+dense": ("dense", None, "layer"),
+               "vitgraph+dense+graphs": ("dense", "local", "layer"),
+               "vitgraph+dense+step-graphs": ("dense", "local", "step")}
+
+
+class Captions(NamedTuple):
+    """The VLM rows' language model (``lm.*``) and each image's synthetic caption: BOS,
+    random ids, EOS, ``length(i)`` tokens in all (seeded, uniform in [min_length,
+    text_length]); only the lengths matter to the step's time."""
+    layers: int
+    width: int
+    heads: int
+    tokenizer: str
+    text_length: int
+    min_length: int
+    seed: int = 0
+
+    @property
+    def overrides(self) -> list[str]:
+        return ["task.kind=caption", f"lm.num_layers={self.layers}",
+                f"lm.hidden_size={self.width}", f"lm.num_heads={self.heads}",
+                f"lm.tokenizer={self.tokenizer}", f"lm.text_length={self.text_length}"]
+
+    def length(self, i: int) -> int:
+        import random
+        return random.Random(self.seed * 1_000_003 + i).randint(self.min_length, self.text_length)
+
+    def ids(self, tok, n: int) -> torch.Tensor:
+        """int64 [n, text_length]: the first ``n`` images' captions in ``tok``'s special ids."""
+        special = {tok.sot_id, tok.eot_id, tok.pad_id}
+        plain = next(i for i in range(tok.vocab_size) if i not in special)
+        out = torch.full((n, self.text_length), tok.pad_id, dtype=torch.int64)
+        g = torch.Generator().manual_seed(self.seed)
+        for i in range(n):
+            k = self.length(i)
+            body = torch.randint(0, tok.vocab_size, (k - 2,), generator=g)
+            for sid in special:  # no early EOS: the caption is k tokens
+                body[body == sid] = plain
+            out[i, 0], out[i, 1:k - 1], out[i, k - 1] = tok.sot_id, body, tok.eot_id
+        return out
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, batch: int,
+                    warmup: int, iters: int, num_classes: int, overrides: list[str] = (),
+                    seed: int = 0, captions: Captions | None = None) -> dict:
+    """The captioning VLM padded (``VLM_SYSTEMS``' dense): the fixed composition at the
+    square grid of ``max_patches`` (model.image_size = patch x its side), ``batch`` images a
+    step (one microbatch), each image padded to that grid and each text to lm.text_length;
+    real tokens are the stream's (each image's patches, each caption's BOS to EOS).
+    ``captions`` None: the tower alone on the same images (a class head, task.kind
+    classification): the tower's share of the VLM's step."""
+    from vitgraph.config import load_config
+    from vitgraph.models.registry import get_arch
+    from vitgraph.train.loop import Trainer
+    _, impl, scope = VLM_SYSTEMS[system]
+    patch, side = get_arch(model).patch_size, math.isqrt(max_patches)
+    if side * side != max_patches:
+        raise ValueError(f"the dense rows need a square max_patches (not {max_patches})")
+    size = patch * side
+    over = [f"model.name={model}", "model.spec=te", f"model.image_size={size}",
+            "data.kind=shapes", "data.num_train=64", "data.num_val=64", "data.render_size=32",
+            f"model.num_classes={num_classes}", f"train.micro_batch_size={batch}",
+            f"train.global_batch_size={batch * _world()}", "train.steps=100000",
+            "train.precision=bf16", "train.tensorboard=false", "train.progress=false",
+            "optim.clip_grad=1.0", "data.augment.enabled=false", "train.label_smoothing=0",
+            "data.augment.mixup_alpha=0", "data.augment.cutmix_alpha=0",
+            f"run.dir=/tmp/vitgraph-bench/vlm-{model}-{max_patches}-{system}"
+            + ("" if captions else "-tower")]
+    over += (["graphs.enabled=true", f"graphs.impl={impl}", f"graphs.scope={scope}",
+              "graphs.warmup_steps=2"] if impl else ["graphs.enabled=false"])
+    over += [*overrides, *(captions.overrides if captions else [])]
+    cfg = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", over)
+    trainer = Trainer(cfg)
+    rank, dp = trainer.d.dp_rank, _world() // (cfg.parallel.tp * cfg.parallel.pp)
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, num_classes, (len(grids),), generator=gen)
+    text = captions.ids(trainer.task.tokenizer, len(grids)) if captions else None
+    device = "cpu" if captions else trainer.d.device  # as bench_vitgraph_native's
+    steps, counts = [], []
+    for b in batched_steps(grids, batch * dp):
+        idx = b[rank * batch:(rank + 1) * batch]
+        images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, generator=gen)
+        fields = (images, labels[idx]) + ((text[idx],) if text is not None else ())
+        steps.append(tuple(_pinned(t) if device == "cpu" else t.to(device) for t in fields))
+        real = sum(grids[i][0] * grids[i][1] for i in b)
+        computed = len(b) * (max_patches + int(cfg.model.class_token) + cfg.model.num_registers)
+        if captions:
+            real += sum(captions.length(i) for i in b)
+            computed += len(b) * captions.text_length
+        counts.append((len(b), real, computed))
+    state = {"step": 0}
+
+    def one(fields):
+        def step():
+            trainer.graphs.step_begin(state["step"])
+            trainer.train_step([fields])
+            state["step"] += 1
+        return step
+
+    try:
+        m = _measure_cycle([one(f) for f in steps], counts, warmup, iters)
+        extra = {}
+        if trainer.graphs.stats():
+            extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
+                                    if isinstance(v, (int, float, str, bool))}
+        return {**m, "attention": "dense", "image_size": size, "batch": batch,
+                "steps_in_stream": len(steps), "images_in_stream": sum(c[0] for c in counts),
+                **extra}
+    finally:
+        trainer.close(shutdown_dist=False)
+        del trainer
+
+
+def bench_vlm(args, model: str, system: str, grids: list, max_patches: int,
+              captions: Captions | None) -> dict:
+    """One VLM row's step (``captions``), or the tower alone on the same images (None)."""
+    if VLM_SYSTEMS[system][0] == "dense":
+        return bench_vlm_dense(model, system, grids, max_patches, batch=args.timm_batch,
+                               warmup=args.warmup, iters=args.iters,
+                               num_classes=args.num_classes, overrides=args.override,
+                               seed=args.seed, captions=captions)
+    return bench_vitgraph_native(model, system, grids, max_patches,
+                                 pack_tokens=args.pack_tokens, max_images=args.max_images,
+                                 packs_per_step=args.packs_per_step,
+                                 padded_images=args.timm_batch, warmup=args.warmup,
+                                 iters=args.iters, num_classes=args.num_classes,
+                                 overrides=args.override, seed=args.seed, captions=captions)
+
+
+def vlm_row(args, model: str, system: str, grids: list, max_patches: int) -> dict:
+    """The VLM's step, then (``--tower-share``) the tower alone on the same microbatches'
+    images under the same system: ``tower_share`` = the tower's seconds per step over the
+    VLM's (the tower's forward, backward and optimizer step; its share of the VLM's step
+    where the language model's work does not overlap it, as it does not here: one stream)."""
+    captions = Captions(args.lm_layers, args.lm_width, args.lm_heads, args.lm_tokenizer,
+                        args.text_length, args.min_text, args.seed)
+    res = bench_vlm(args, model, system, grids, max_patches, captions)
+    res["lm"] = {k: v for k, v in captions._asdict().items() if k != "seed"}
+    if args.tower_share:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        tower = bench_vlm(args, model, system, grids, max_patches, None)
+        res["tower_alone"] = {k: tower[k] for k in ("sec_per_step", "images_per_s",
+                                                    "real_tokens_per_s") if k in tower}
+        res["tower_share"] = tower["sec_per_step"] / res["sec_per_step"]
+    return res
 
 
 def timm_naflex_model(model: str, num_classes: int, arch_name: str | None = None):
@@ -727,8 +935,9 @@ def native_jobs(args) -> list[tuple[str, int, str]]:
 
 
 def run_native(args) -> int:
-    """--native: every (model, max_patches, system) row on one fixed stream; the JSON is
-    rewritten after each row."""
+    """--native (and --vlm): every (model, max_patches, system) row on one fixed stream; the
+    JSON is rewritten after each row."""
+    vlm = getattr(args, "vlm", False)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     rows, streams = [], {}
     t_all = time.time()
@@ -743,7 +952,9 @@ def run_native(args) -> int:
             print(f"\n== {model} max_patches {mp} {system}", flush=True)
         t0 = time.time()
         try:
-            if system in NATIVE_PEERS:
+            if vlm:
+                res = vlm_row(args, model, system, grids, mp)
+            elif system in NATIVE_PEERS:
                 res = bench_timm_naflex(model, grids, mp,
                                         "default" if system.endswith("+compile") else None,
                                         batch=args.timm_batch, warmup=args.warmup,
@@ -766,9 +977,11 @@ def run_native(args) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         graphs = False
-        if system in NATIVE_SYSTEMS and NATIVE_SYSTEMS[system][1]:
-            graphs = NATIVE_SYSTEMS[system][2]
+        systems = VLM_SYSTEMS if vlm else NATIVE_SYSTEMS
+        if system in systems and systems[system][1]:
+            graphs = systems[system][2]
         row = {"system": system, "model": model, "resolution": "native", "max_patches": mp,
+               **({"task": "caption"} if vlm else {}),
                "stream": {"images": args.images, "seed": args.seed, "shorter_side": [128, 512],
                           "aspect": [0.5, 2.0]},
                "precision": "bf16", "graphs": graphs, "gpus": _world(),
@@ -780,21 +993,23 @@ def run_native(args) -> int:
                   f"{res.get('images_per_s', float('nan')):8.1f} img/s "
                   f"{res.get('real_tokens_per_s', float('nan')) / 1e3:8.1f}k real tok/s "
                   f"({100 * res.get('real_share', float('nan')):.0f}% real) "
-                  f"peak {res.get('peak_reserved_gib', float('nan')):5.1f} GiB reserved "
+                  + (f"tower {100 * res['tower_share']:.0f}% of the step "
+                     if "tower_share" in res else "")
+                  + f"peak {res.get('peak_reserved_gib', float('nan')):5.1f} GiB reserved "
                   f"({row['wall_s']}s, {time.time() - t_all:.0f}s in all)"
                   + (f"  ERROR {err}" if err else ""), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows},
                                            indent=1))
     if rank0:
-        print("\nreal tokens/s against timm-naflex+compile and vitgraph+padded (same model, "
-              "max_patches):")
+        bases = (("vitgraph+dense+graphs", "vitgraph+dense", "vitgraph+padded+graphs") if vlm
+                 else ("timm-naflex+compile", "vitgraph+padded+step-graphs", "vitgraph+padded"))
+        print(f"\nreal tokens/s against {', '.join(bases)} (same model, max_patches):")
         for model in args.models:
             for mp in args.max_patches:
                 same = [r for r in rows if r["model"] == model and r["max_patches"] == mp
                         and r.get("real_tokens_per_s")]
-                for base_name in ("timm-naflex+compile", "vitgraph+padded+step-graphs",
-                                  "vitgraph+padded"):
+                for base_name in bases:
                     base = next((r for r in same if r["system"] == base_name), None)
                     if base is None:
                         continue
@@ -1008,16 +1223,21 @@ def provenance(args) -> dict:
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
             "method": "median of 3 blocks of `iters` steps, after `warmup` steps; "
                       "peak memory over the timed steps (torch.cuda.max_memory_allocated)",
-            **(native_provenance(args) if getattr(args, "native", False) else {})}
+            **(native_provenance(args) if getattr(args, "native", False)
+               or getattr(args, "vlm", False) else {})}
 
 
 def native_provenance(args) -> dict:
+    vlm = {"vlm": {k: getattr(args, k) for k in (
+        "lm_layers", "lm_width", "lm_heads", "lm_tokenizer", "text_length", "min_text",
+        "tower_share")}} if getattr(args, "vlm", False) else {}
     return {"native": {k: getattr(args, k) for k in (
                 "images", "seed", "max_patches", "pack_tokens", "max_images", "packs_per_step",
-                "timm_batch", "timm_arch")},
+                "timm_batch", "timm_arch")}, **vlm,
             "method": "median of 3 blocks of `iters` steps (cycling over the stream's steps), "
-                      "after `warmup` steps; a block's rates: its images and its real (patch) "
-                      "tokens over its time; peak memory over the timed steps"}
+                      "after `warmup` steps; a block's rates: its images and its real tokens "
+                      "(image patches; --vlm: and each caption's BOS to EOS) over its time; "
+                      "peak memory over the timed steps"}
 
 
 def _mcore_version():
@@ -1080,8 +1300,22 @@ def main() -> int:
     ap.add_argument("--native", action="store_true",
                     help="native resolution: one fixed stream of images of mixed sizes through "
                          "packed / padded vitgraph and timm's NaFlexVit (see Native resolution)")
-    ap.add_argument("--models", nargs="+", default=["vit_b16_224"], choices=NATIVE_MODELS,
-                    help="--native: the models")
+    ap.add_argument("--vlm", action="store_true",
+                    help="the tower inside a captioning VLM (task.kind=caption) on the native "
+                         "stream: packed / padded / dense (see The tower inside a VLM)")
+    ap.add_argument("--models", nargs="+", default=None, choices=NATIVE_MODELS,
+                    help="--native / --vlm: the towers (default vit_b16_224 / vit_so400m16_256)")
+    ap.add_argument("--lm-layers", type=int, default=24, help="--vlm: lm.num_layers")
+    ap.add_argument("--lm-width", type=int, default=1280, help="--vlm: lm.hidden_size")
+    ap.add_argument("--lm-heads", type=int, default=20, help="--vlm: lm.num_heads")
+    ap.add_argument("--lm-tokenizer", default="bpe",
+                    help="--vlm: lm.tokenizer (its vocabulary sizes the output layer)")
+    ap.add_argument("--text-length", type=int, default=64,
+                    help="--vlm: lm.text_length, each caption's budget (BOS and EOS included)")
+    ap.add_argument("--min-text", type=int, default=16,
+                    help="--vlm: the shortest caption; lengths uniform up to --text-length")
+    ap.add_argument("--no-tower-share", dest="tower_share", action="store_false",
+                    help="--vlm: skip the tower-alone run that gives each row's tower_share")
     ap.add_argument("--max-patches", type=int, nargs="+", default=[576, 1024],
                     help="--native: each image's patch grid at most")
     ap.add_argument("--images", type=int, default=2048, help="--native: images in the stream")
@@ -1132,6 +1366,16 @@ def main() -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if args.configs:
         return run_configs(args)
+    if args.vlm:
+        args.models = args.models or ["vit_so400m16_256"]
+        args.systems = args.systems or [s for s in VLM_SYSTEMS if "graphs" in s]
+        unknown = [s for s in args.systems if s not in VLM_SYSTEMS]
+        if unknown:
+            ap.error(f"--vlm systems: {', '.join(VLM_SYSTEMS)} (not {', '.join(unknown)})")
+        if not 3 <= args.min_text <= args.text_length:
+            ap.error(f"--min-text {args.min_text}: 3 (BOS, a token, EOS) to --text-length")
+        return run_native(args)
+    args.models = args.models or ["vit_b16_224"]
     if args.native:
         args.systems = args.systems or [*NATIVE_SYSTEMS, *NATIVE_PEERS]
         unknown = [s for s in args.systems if s not in NATIVE_SYSTEMS and s not in NATIVE_PEERS]

@@ -77,3 +77,38 @@ def test_a_config_as_shipped_runs_its_window_of_the_shipped_schedule(tmp_path):
         sum(losses[-third:]) < 0.98 * sum(losses[:third]))
     assert not (tmp_path / "vit-tiny-shapes" / "checkpoints").exists() or not any(
         (tmp_path / "vit-tiny-shapes" / "checkpoints").iterdir())
+
+
+def test_vlm_rows_give_samples_real_tokens_and_the_towers_share(tmp_path, monkeypatch):
+    """--vlm: a pico tower + a one-layer GPT as a caption run, packed (layer graphs, the CPU
+    rerun backend) and dense (the fixed composition at the max_patches grid), each with the
+    tower alone on the same images; the JSON's rows and provenance."""
+    import json
+    import sys
+    bench = load_bench()
+    out = tmp_path / "vlm.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench.py", "--vlm", "--models", "vit_pico_patch4_32", "--max-patches", "16",
+        "--images", "16", "--pack-tokens", "128", "--packs-per-step", "1", "--timm-batch", "4",
+        "--systems", "vitgraph+packed+graphs", "vitgraph+dense",
+        "--lm-layers", "1", "--lm-width", "32", "--lm-heads", "2", "--lm-tokenizer", "byte",
+        "--text-length", "12", "--min-text", "4", "--warmup", "1", "--iters", "1",
+        "--override", "model.spec=torch", "train.precision=fp32", "--out", str(out)])
+    assert bench.main() == 0
+    data = json.loads(out.read_text())
+    prov = data["provenance"]
+    assert prov["vlm"]["lm_layers"] == 1 and prov["native"]["images"] == 16
+    packed, dense = data["rows"]
+    for r in (packed, dense):
+        assert r["error"] is None and r["task"] == "caption", r
+        assert r["images_per_s"] > 0 and 0 < r["real_share"] <= 1 and r["tower_share"] > 0
+        assert r["lm"] == {"layers": 1, "width": 32, "heads": 2, "tokenizer": "byte",
+                           "text_length": 12, "min_length": 4}
+        assert r["tower_alone"]["sec_per_step"] > 0
+    assert packed["attention"] == "thd" and packed["graphs"] == "layer"
+    assert packed["graph_stats"] and packed["pack_tokens"] == 128
+    assert dense["attention"] == "dense" and dense["graphs"] is False
+    assert dense["image_size"] == 16 and dense["batch"] == 4  # 4 x 4 patches of 4 pixels
+    # real tokens: the images' patches and the captions' BOS to EOS, of what was computed
+    cap = bench.Captions(1, 32, 2, "byte", 12, 4)
+    assert {cap.length(i) for i in range(16)} <= set(range(4, 13))

@@ -406,3 +406,26 @@ def test_a_mistake_in_an_override_names_the_command_line_not_the_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(own, ["train.steps=5"])
     assert str(e.value).startswith(f"{own} (base {DEFAULT}): data.path="), str(e.value)
+
+
+def test_the_so400m_vlm_config_and_its_smoke_line_resolve():
+    """configs/vlm-so400m16-native.yaml (a GPU config, not run here) resolves for 8 GPUs
+    (shapes for its shards) and for one with its header's smoke-line overrides: the SO400M/16
+    tower at native resolution, the 0.5B GPT, layer graphs."""
+    import shlex
+
+    from vitgraph.plan import resolve
+    path = ROOT / "configs" / "vlm-so400m16-native.yaml"
+    head = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")]
+    at = next(i for i, line in enumerate(head) if line.startswith("vitgraph train " + "configs/"
+                                                                 + path.name))
+    smoke = " ".join(line.rstrip("\\").strip() for line in head[at:at + 3])
+    overrides = shlex.split(smoke)[3:]
+    assert "train.steps=20" in overrides and "data.kind=shapes" in overrides
+    resolve(load_config(path, ["data.kind=shapes", "model.spec=torch"]), 8)
+    plan = resolve(load_config(path, [*overrides, "model.spec=torch"]), 1)
+    assert plan.task == "caption" and plan.native and plan.graphs.scope == "layer"
+    assert (plan.arch.hidden_size, plan.arch.num_layers, plan.arch.patch_size) == (1152, 27, 16)
+    assert (plan.pack.tokens, plan.pack.max_patches) == (16384, 1024)
+    c = plan.caption
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.vocab_size) == (24, 1280, 20, 49408)

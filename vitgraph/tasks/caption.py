@@ -160,7 +160,9 @@ class CaptionTask(Task):
         language model's pack laid out from its CPU fields (``text_layout``); an empty slot's
         label is fill_label."""
         tokens = raw[5]
-        layout = text_layout(raw[2], tokens, self.tokenizer.eot_id, self.text_pack)
+        # laid out on the host: on a GPU the prefetcher has staged seg and the ids on the
+        # device already, so they come back (a wait on the device per microbatch)
+        layout = text_layout(raw[2].cpu(), tokens.cpu(), self.tokenizer.eot_id, self.text_pack)
         x, coords, seg, cu, labels = prepare_pack(raw[:5], key, device, first_stage, self.plan,
                                                   self.d)
         labels = torch.where(pk.slot_valid(seg, self.pack.max_images), labels, self.fill_label)
