@@ -361,10 +361,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
     try:
         m = _measure(step, warmup, iters)
         sec = m.pop("sec")
-        extra = {}
-        if trainer.graphs.stats():
-            extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
-                                    if isinstance(v, (int, float, str, bool))}
+        extra = _graph_stats(trainer)
         flops = trainer.flops_per_sample
         p = cfg.parallel
         layout = f"tp{p.tp}pp{p.pp}" + (f"vpp{p.vpp}" if p.vpp > 1 else "") + f"dp{dp}"
@@ -569,6 +566,31 @@ def _measure_cycle(steps: list, counts: list, warmup: int, iters: int) -> dict:
     return out
 
 
+def _graph_stats(trainer) -> dict:
+    """The Trainer's graph counters for a row's JSON (nothing without graphs)."""
+    stats = trainer.graphs.stats()
+    if not stats:
+        return {}
+    return {"graph_stats": {k: v for k, v in stats.items()
+                            if isinstance(v, (int, float, str, bool))}}
+
+
+def _measure_trainer(trainer, steps: list, counts: list, warmup: int, iters: int) -> dict:
+    """``_measure_cycle`` over the Trainer's steps (each a list of the step's microbatches),
+    with its graph counters."""
+    state = {"step": 0}
+
+    def one(mbs):
+        def step():
+            trainer.graphs.step_begin(state["step"])
+            trainer.train_step(mbs)
+            state["step"] += 1
+        return step
+
+    m = _measure_cycle([one(b) for b in steps], counts, warmup, iters)
+    return {**m, **_graph_stats(trainer)}
+
+
 def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int, *,
                           pack_tokens: int, max_images: int, packs_per_step: int,
                           padded_images: int, warmup: int, iters: int, num_classes: int,
@@ -654,24 +676,11 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
             real += sum(captions.length(i) for idx in step for i in idx)
             computed += len(step) * trainer.task.text_pack.tokens
         counts.append((n_img * dp, real * dp, computed * dp))
-    state = {"step": 0}
-
-    def one(mbs):
-        def step():
-            trainer.graphs.step_begin(state["step"])
-            trainer.train_step(mbs)
-            state["step"] += 1
-        return step
-
     try:
-        m = _measure_cycle([one(b) for b in batches], counts, warmup, iters)
-        extra = {}
-        if trainer.graphs.stats():
-            extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
-                                    if isinstance(v, (int, float, str, bool))}
+        m = _measure_trainer(trainer, batches, counts, warmup, iters)
         return {**m, "attention": attention, "pack_tokens": spec.tokens,
                 "max_images": spec.max_images, "microbatches": k, "steps_in_stream": len(plan),
-                "images_in_stream": sum(c[0] for c in counts), **extra}
+                "images_in_stream": sum(c[0] for c in counts)}
     finally:
         trainer.close(shutdown_dist=False)
         del trainer
@@ -784,24 +793,10 @@ def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, b
             real += sum(captions.length(i) for i in b)
             computed += len(b) * captions.text_length
         counts.append((len(b), real, computed))
-    state = {"step": 0}
-
-    def one(fields):
-        def step():
-            trainer.graphs.step_begin(state["step"])
-            trainer.train_step([fields])
-            state["step"] += 1
-        return step
-
     try:
-        m = _measure_cycle([one(f) for f in steps], counts, warmup, iters)
-        extra = {}
-        if trainer.graphs.stats():
-            extra["graph_stats"] = {k: v for k, v in trainer.graphs.stats().items()
-                                    if isinstance(v, (int, float, str, bool))}
+        m = _measure_trainer(trainer, [[f] for f in steps], counts, warmup, iters)
         return {**m, "attention": "dense", "image_size": size, "batch": batch,
-                "steps_in_stream": len(steps), "images_in_stream": sum(c[0] for c in counts),
-                **extra}
+                "steps_in_stream": len(steps), "images_in_stream": sum(c[0] for c in counts)}
     finally:
         trainer.close(shutdown_dist=False)
         del trainer

@@ -363,6 +363,20 @@ def checkpoint_tensors(step_dir) -> dict:
     return out
 
 
+def assert_graphed_step_equals_eager(eager, graphed, loss_of) -> None:
+    """One step: ``loss_of(model)``'s loss and the parameters' gradients of ``graphed`` are
+    ``eager``'s, bit for bit (the CPU rerun backend replays the same kernels)."""
+    losses = []
+    for model in (eager, graphed):
+        model.zero_grad()
+        loss = loss_of(model)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+
+
 def world_of_one(spec: str):
     """A module-scoped fixture: this process as a world of one (gloo on CPU, NCCL on GPU)."""
     @pytest.fixture(scope="module")
