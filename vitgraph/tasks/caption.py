@@ -78,7 +78,7 @@ class CaptionTask(Task):
         self.augment = None
         self.class_patterns: list = []  # each class name as the tokenizer decodes it
         self.said_no_captions = False
-        self.pack = getattr(plan, "pack", None)  # native resolution: the image pack
+        self.pack = plan.pack  # native resolution: the image pack (None: fixed size)
         self.text_pack = None if self.pack is None else \
             TextPackSpec.of(self.pack, self.lm.text_length)
         self.flops_per_token = (0.0, 0.0)  # native: per image token, per token pair
@@ -108,7 +108,7 @@ class CaptionTask(Task):
                               drop_path_rate=m.drop_path_rate, tp_rank=d.tp_rank,
                               first_stage=d.is_first_stage, last_stage=d.is_last_stage,
                               pad_to=plan.token_padding if plan.pads else None, pack=self.pack,
-                              pos_interp=getattr(plan, "pos_interp", "bicubic"))
+                              pos_interp=plan.pos_interp)
         # FLOPs: the tower's, T (6N + 12 L d T) over the LM's sequence (N: its layers' and
         # the projector's weights), the output layer's over the text
         s, h = model.image_len + lm.text_length, lm.hidden_size
