@@ -88,7 +88,9 @@ embedding: configs/vlm-so400m16-native.yaml's), each image with a synthetic capt
                          grid of max_patches, --timm-batch images a step, every image padded to
                          that grid and every caption to --text-length
 Rows are samples (``images_per_s``) and ``real_tokens_per_s``: image patches + caption tokens
-actually in the samples. ``tower_share``: the tower alone (a class head, the same system on the
+actually in the samples; ``tokens_per_s`` counts the positions computed the same way (the
+tower's tokens once, then each sample's text budget), so ``real_share`` is the padding of both
+packs, comparable across systems. ``tower_share``: the tower alone (a class head, the same system on the
 same images: the native classifier's packs / slots, the fixed classifier at that size) runs
 after each row; its seconds per step over the VLM's (--no-tower-share skips it). The
 microbatches stay on the host (pinned): the caption task lays the GPT's pack out from their CPU
@@ -672,9 +674,10 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
         n_img = sum(len(idx) for idx in step)
         real = sum(grids[i][0] * grids[i][1] for idx in step for i in idx)
         computed = len(step) * spec.tokens
-        if text is not None:  # + each caption's tokens (BOS to EOS); the LM pack's positions
+        if text is not None:  # + each caption's tokens (BOS to EOS) and the LM pack's text
+            # positions: its image positions are the tower's tokens, counted once either way
             real += sum(captions.length(i) for idx in step for i in idx)
-            computed += len(step) * trainer.task.text_pack.tokens
+            computed += len(step) * (trainer.task.text_pack.tokens - spec.tokens)
         counts.append((n_img * dp, real * dp, computed * dp))
     try:
         m = _measure_trainer(trainer, batches, counts, warmup, iters)
