@@ -260,6 +260,20 @@ def test_eval_writes_caption_loss_perplexity_and_class_word_accuracy(trained, ca
     assert written["eval_class_word_chance"] == metrics["eval_class_word_chance"] == 0.1
 
 
+def test_eval_of_another_vocabulary_is_refused_and_a_run_directory_is_a_config(trained, capsys):
+    """vitgraph eval with a config whose model does not fit the checkpoint (CLIP's BPE
+    vocabulary for a byte-level run) exits 2 naming the tensor and both shapes, instead of
+    loading what fits and scoring garbage; the run's directory stands for its config."""
+    code, run = trained
+    assert code == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "lm.tokenizer=bpe"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint error" in err and "word_embeddings.weight" in err and "49408" in err, err
+    assert main(["eval", str(run)]) == 0
+    assert (run / "eval-20.json").is_file()
+
+
 def test_the_whole_vlm_exports_and_a_run_starts_from_it(trained, tmp_path, capsys):
     """export --format vitgraph of a caption run: every tensor of the tower, the projector
     and the language model, with config.json naming the geometry and the tokenizer;

@@ -75,7 +75,7 @@ def _add_eval(sub) -> None:
                         description="Evaluate the checkpoint of the run CONFIG describes (with the "
                                     "same overrides as its training); writes "
                                     "<run_dir>/eval-<step>.json and changes nothing else.")
-    ev.add_argument("config", help="the run's YAML config (or its run_dir/config.yaml)")
+    ev.add_argument("config", help="the run's YAML config, or its run directory (its config.yaml)")
     ev.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
     ev.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
     ev.add_argument("--split", choices=("val", "train"), default="val",
@@ -189,6 +189,7 @@ def _run(cfg, args, signals=None) -> int:
     from vitgraph.config import ConfigError
     from vitgraph.convert import ConvertError
     from vitgraph.data import DataError
+    from vitgraph.convert.checkpoints import CheckpointMismatch
     from vitgraph.train.checkpoint import NoIntactCheckpoint
     from vitgraph.train.loop import TrainingFailed
     from vitgraph.train.preempt import PREEMPTED_EXIT, Preempted
@@ -212,7 +213,7 @@ def _run(cfg, args, signals=None) -> int:
         print(f"vitgraph: {'data' if isinstance(e, DataError) else 'weights'} error: {e}",
               file=sys.stderr)
         return 2
-    except NoIntactCheckpoint as e:
+    except (NoIntactCheckpoint, CheckpointMismatch) as e:
         print(f"vitgraph: checkpoint error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:

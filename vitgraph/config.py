@@ -593,6 +593,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
 def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[dict, list[str]]:
     """The mapping in ``path`` merged over its bases, and the bases' paths (nearest first).
     ``chain``: the files whose bases led here; ``base``: how the last of them names it."""
+    if not chain and path.is_dir() and (path / "config.yaml").is_file():
+        path = path / "config.yaml"  # a run directory: the config it keeps
     name = str(path)
     if not path.is_file():
         if chain:

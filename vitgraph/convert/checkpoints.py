@@ -40,6 +40,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint's tensors do not fit the model this config builds (the user's input)."""
+
+
 def _sha256(path: Path) -> str:
     h, buf = hashlib.sha256(), bytearray(1 << 22)
     view = memoryview(buf)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from vitgraph.config import CheckpointConfig
 from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
-from vitgraph.convert.checkpoints import (CheckpointError, quiet_reads, step_dirs, verify,
+from vitgraph.convert.checkpoints import (CheckpointError, CheckpointMismatch, quiet_reads, step_dirs, verify,
                                           write_manifest)
 from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
@@ -174,6 +174,31 @@ def write_payload(directory: Path, d: Dist, sharded_state: dict, step: int) -> N
             save_safetensors(weights, directory / "model.safetensors", metadata={"step": step})
 
 
+def check_shapes(directory: Path, sharded_template: dict) -> None:
+    """CheckpointMismatch naming the tensors whose shape in the checkpoint at ``directory``
+    differs from this run's (another model, vocabulary or text length): megatron-core's load
+    does not check, and a model loaded so evaluates as garbage without a word."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    try:
+        saved = dcp.FileSystemReader(str(directory / "dist")).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: the load says so, naming the file
+        return
+    wrong = []
+    for sh in nested_values(sharded_template):
+        if not isinstance(sh, ShardedTensor) or sh.flattened_range is not None:
+            continue
+        have = getattr(saved.get(sh.key), "size", None)
+        if have is not None and tuple(have) != tuple(sh.global_shape):
+            wrong.append(f"{sh.key} is {list(have)} there, {list(sh.global_shape)} here")
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise CheckpointMismatch(
+            f"{directory}: its weights do not fit the model this config builds: "
+            f"{'; '.join(wrong[:3])}{more}. Use the config (and overrides) it was trained with")
+
+
 def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
     """This rank's state, loaded into the shapes of ``sharded_template`` (this run's layout);
     restores the RNG state when the layout matches."""
@@ -181,6 +206,7 @@ def read_payload(directory: Path, d: Dist, sharded_template: dict) -> dict:
     if not (directory / "dist").is_dir():
         raise CheckpointError(f"{directory}: no dist/ folder; not a vitgraph checkpoint of this "
                               f"format")
+    check_shapes(directory, sharded_template)
     try:
         with quiet_reads():
             state = dist_checkpointing.load({**sharded_template, "step": None},
@@ -428,6 +454,7 @@ def load_model(path: Path, chunks: list, ema: bool = False) -> int:
     checkpoint when it holds none."""
     from megatron.core import dist_checkpointing
     template = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    check_shapes(path, template)
     with quiet_reads():
         state = dist_checkpointing.load(template, str(path / "dist"))
     for i, c in enumerate(chunks):
