@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, for a CUDA machine with TE and megatron-core importable
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
-#   usage: scripts/gpu_check.sh [tests|configs|plan|train|graphs-train|multi|resume-optim|fp8-curve|data|
-#          clip|profile|loop-rate|bench ...]   (default: tests train)
+#   usage: scripts/gpu_check.sh [tests|tests-a|tests-b|tests-c|configs|plan|train|graphs-train|multi|resume-optim|
+#          fp8-curve|data|clip|profile|loop-rate|bench|native|vlm|configs-bench ...]   (default: tests train)
+#   tests: `pytest -m gpu tests/gpu` (over 11 min on one H100); tests-a / -b / -c: its parts (the
+#   VLM's tests in c), each within a 10-minute call.
+#   native (1 GPU): the native-resolution rows of record (docs/native.md), one bench process and
+#   one JSON per model of $NATIVE_MODELS (default: all four; each ~5-9 min on one H200): packed,
+#   padded and timm NaFlexViT + compile on the same stream at 256 / 576 / 1024 patches (and 729
+#   for SO400M/14).
+#   vlm (1 GPU): bench.py --vlm at $VLM_PATCHES (default 576 1024), one JSON each; byte-level ids
+#   unless open_clip is importable (CLIP's BPE).
+#   configs-bench (1 GPU): bench.py --configs, every bundled GPU config as shipped (or those of
+#   $BENCH_CONFIGS) on JPEGs made here.
 #   configs (1 GPU): every GPU config's header smoke line (scripts/smoke_configs.py); fails unless
 #   each one's loss falls and its held-out top-1 reaches the figure its header asks for.
 #   plan (1 GPU): every GPU config for a few steps against `vitgraph plan` (scripts/plan_check.py);
@@ -33,7 +43,18 @@ b16=(configs/vit-b16-imagefolder.yaml data.kind=shapes data.render_size=32 data.
 for s in "${steps[@]}"; do
   echo "=== $s" | tee -a "$out/summary.txt"
   case $s in
-    tests) timeout 250 python -m pytest -m gpu tests/gpu -v -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+    tests|tests-a|tests-b|tests-c)
+      # b: every file that a and c do not name
+      declare -A PART=([tests-a]="checkpoint data distill freeze fsdp graphs model native_data native"
+                       [tests-c]="caption tower")
+      named=$(printf "tests/gpu/test_%s_gpu.py\n" ${PART[tests-a]} ${PART[tests-c]})
+      case $s in
+        tests) files=(tests/gpu) ;;
+        tests-b) files=($(ls tests/gpu/test_*_gpu.py | grep -v -x -F "$named")) ;;
+        *) files=($(printf "tests/gpu/test_%s_gpu.py " ${PART[$s]})) ;;
+      esac
+      timeout -s INT $([ "$s" = tests ] && echo 1200 || echo 560) python -m pytest -m gpu "${files[@]}" -v \
+        -rfEs -p no:cacheprovider --durations=15 2>&1 | tee "$out/gpu_$s.log" | tail -60 ;;
     configs) timeout 900 python scripts/smoke_configs.py --out "$out/smoke_configs.json" 2>&1 | tee "$out/smoke_configs.log" ;;
     plan) timeout 900 python scripts/plan_check.py --out "$out/plan_check.json" 2>&1 | tee "$out/plan_check.log" ;;
     train) timeout 100 python -m vitgraph train "${b16[@]}" run.dir=/tmp/b16 train.steps=400 \
@@ -177,6 +198,31 @@ for s in "${steps[@]}"; do
           --out "$out/profile_mb$mb.json" > "$out/profile_mb$mb.log" 2>&1
         grep -A40 "^profile:" "$out/profile_mb$mb.log" | head -45
       done ;;
+    native)
+      for m in ${NATIVE_MODELS:-vit_so400m14_378 vit_so400m16_256 vit_l16_224 vit_b16_224}; do
+        p=(256 576 1024); [ "$m" = vit_so400m14_378 ] && p=(256 576 729 1024)
+        timeout -s INT ${NATIVE_TIMEOUT:-560} python scripts/bench.py --native --images 1536 --seed 7 \
+          --warmup 4 --iters 5 --models "$m" --max-patches "${p[@]}" --systems vitgraph+packed+step-graphs \
+          vitgraph+padded+step-graphs timm-naflex+compile --out "$out/native-$m.json" 2>&1 \
+          | tee "$out/native-$m.log" | grep -E "real tok|Error|error" | tail -20
+      done ;;
+    vlm)
+      python -c "import open_clip" 2>/dev/null && tok=() || tok=(--lm-tokenizer byte)
+      for p in ${VLM_PATCHES:-576 1024}; do
+        timeout -s INT 280 python scripts/bench.py --vlm "${tok[@]}" --max-patches $p --warmup 4 --iters 6 \
+          --out "$out/vlm-so400m16-$p.json" 2>&1 | tee "$out/vlm-$p.log" | tail -12
+      done ;;
+    configs-bench)
+      # classifiers on a JPEG ImageFolder (500x375, photo-like noise), pairs on captioned shards
+      # of it; $BENCH_CONFIGS: some of them (default all)
+      f=/tmp/cfg_folder; sh=/tmp/cfg_shards
+      if [ ! -d $sh ]; then
+        python scripts/shapes_imagefolder.py $f --num-train 8192 --num-val 512 --format jpg \
+          --size 500x375 --noise 40 --no-cache > "$out/configs_data.log" 2>&1
+        python scripts/make_shards.py $f $sh --shard-size 512 --captions >> "$out/configs_data.log" 2>&1
+      fi
+      timeout -s INT 560 python scripts/bench.py --configs ${BENCH_CONFIGS:-all} --imagefolder $f \
+        --shards $sh --out "$out/configs.json" 2>&1 | tee "$out/configs.log" | tail -30 ;;
     bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
   esac
 done

@@ -1079,3 +1079,24 @@ def test_step_graphs_reset_warms_up_and_captures_again():
     sg.run([(torch.ones(2),)], body)
     s = sg.stats()
     assert sg.active and s["captures"] == 2 and s["recaptures"]["reset"] == 1
+
+
+def test_only_hooks_not_marked_graph_safe_are_warned_of(caplog):
+    """A forward hook's Python runs at capture only: warned of, unless the hook says it only
+    makes tensors from tensors (``graph_safe``), as vitgraph's packed attention's does."""
+    def safe(module, args, out):
+        return out * 2
+    safe.graph_safe = True
+    warned = []
+    for hooks in ([safe], [safe, lambda module, args, out: out]):
+        layer = Toy()
+        for h in hooks:
+            layer.lin2.register_forward_hook(h)
+        mgr = manager_for([layer])
+        mgr.step_begin(0)
+        with caplog.at_level(logging.WARNING, logger=gmanager.log.name):
+            caplog.clear()
+            leaf_loss(layer(torch.randn(4, 8))).backward()
+        assert mgr.stats()["captures"] == 1
+        warned.append("hooks inside a graphed layer" in caplog.text)
+    assert warned == [False, True]

@@ -361,7 +361,9 @@ class GraphManager:
                 self._warn_once("rng", "graphs: megatron's RNG tracker is not graph-safe; dropout inside "
                                        "tracker forks cannot be captured. Seed with model_parallel_cuda_manual_seed"
                                        "(seed, use_cudagraphable_rng=True).")
-            hooked = [n for n, m in gc.module.named_modules() if n and (m._forward_pre_hooks or m._forward_hooks)]
+            hooked = [n for n, m in gc.module.named_modules() if n and any(
+                not getattr(h, "graph_safe", False)
+                for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))]
             if hooked:
                 self._warn_once("hooks", "graphs: submodules with forward hooks (%s...) -- hooks inside a "
                                          "graphed layer run at capture only, not on replay" % ", ".join(hooked[:3]))

@@ -508,6 +508,10 @@ class PackedSelfAttention(SelfAttention):
         mixed, bias = out
         return self._slots.gather(mixed), bias
 
+    # tensors from tensors, no host state: a graph's capture records it whole (the graph
+    # manager's warning about hooks that run at capture only leaves it out)
+    _qkv_in_slot_order.graph_safe = True
+
     def forward(self, hidden_states, *args, packed_seq_params=None, **kwargs):
         p = packed_seq_params
         takes = getattr(self.core_attention, "takes_slots", None)
