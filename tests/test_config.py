@@ -412,16 +412,14 @@ def test_the_so400m_vlm_config_and_its_smoke_line_resolve():
     """configs/vlm-so400m16-native.yaml (a GPU config, not run here) resolves for 8 GPUs
     (shapes for its shards) and for one with its header's smoke-line overrides: the SO400M/16
     tower at native resolution, the 0.5B GPT, layer graphs."""
-    import shlex
-
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from smoke_configs import smoke_spec
     from vitgraph.plan import resolve
     path = ROOT / "configs" / "vlm-so400m16-native.yaml"
-    head = [line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")]
-    at = next(i for i, line in enumerate(head) if line.startswith("vitgraph train " + "configs/"
-                                                                 + path.name))
-    smoke = " ".join(line.rstrip("\\").strip() for line in head[at:at + 3])
-    overrides = shlex.split(smoke)[3:]
-    assert "train.steps=20" in overrides and "data.kind=shapes" in overrides
+    args, ask = smoke_spec(path)  # scripts/gpu_check.sh configs runs it, asking the loss to fall
+    overrides = args[1:]
+    assert ask == 0 and "train.steps=20" in overrides and "data.kind=shapes" in overrides
     resolve(load_config(path, ["data.kind=shapes", "model.spec=torch"]), 8)
     plan = resolve(load_config(path, [*overrides, "model.spec=torch"]), 1)
     assert plan.task == "caption" and plan.native and plan.graphs.scope == "layer"
