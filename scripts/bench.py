@@ -93,8 +93,8 @@ tower's tokens once, then each sample's text budget), so ``real_share`` is the p
 packs, comparable across systems. ``tower_share``: the tower alone (a class head, the same system on the
 same images: the native classifier's packs / slots, the fixed classifier at that size) runs
 after each row; its seconds per step over the VLM's (--no-tower-share skips it). The
-microbatches stay on the host (pinned): the caption task lays the GPT's pack out from their CPU
-fields, then copies them over.
+microbatches are on the device, the GPT's pack layout appended (the caption task's
+``host_fields``), as the training loop's prefetcher hands them over.
 """
 from __future__ import annotations
 
@@ -605,9 +605,9 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     from the stream beforehand, are on the device as the loader's prefetcher hands them over.
 
     ``captions``: the captioning VLM's step instead (task.kind=caption, --vlm): each image
-    with its caption's ids; the microbatches stay on the host (pinned), as the caption task
-    lays the language model's pack out from their CPU fields when it prepares them (then
-    copies them over), and real tokens count the text's too."""
+    with its caption's ids, and the language model's pack laid out from them on the host
+    (the task's ``host_fields``, as the prefetcher appends them) before they go to the
+    device; real tokens count the text's too."""
     from vitgraph.config import load_config
     from vitgraph.data import images_per_pack
     from vitgraph.data.packing import PackSpec, assemble
@@ -653,7 +653,7 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     pixels = _Pixels(spec.patch_dim, seed)
     labels = torch.randint(0, num_classes, (len(grids),), generator=torch.Generator().manual_seed(seed))
     text = captions.ids(trainer.task.tokenizer, len(grids)) if captions else None
-    device = "cpu" if captions else trainer.d.device
+    device = trainer.d.device
     if padded:  # this rank's share of each step's images, one microbatch of slots
         plan = [[b[rank * padded_images:(rank + 1) * padded_images]]
                 for b in batched_steps(grids, padded_images * dp)]
@@ -669,7 +669,8 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
             if text is not None:  # [slots, text_length], zero for empty slots
                 fields = (*fields, torch.zeros(spec.max_images, text.shape[1], dtype=text.dtype))
                 fields[-1][:len(idx)] = text[idx]
-            mbs.append(tuple(_pinned(t) if device == "cpu" else t.to(device) for t in fields))
+                fields = (*fields, *trainer.task.host_fields(fields))
+            mbs.append(tuple(t.to(device) for t in fields))
         batches.append(mbs)
         n_img = sum(len(idx) for idx in step)
         real = sum(grids[i][0] * grids[i][1] for idx in step for i in idx)
@@ -744,10 +745,6 @@ class Captions(NamedTuple):
         return out
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    return t.pin_memory() if torch.cuda.is_available() else t
-
-
 def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, batch: int,
                     warmup: int, iters: int, num_classes: int, overrides: list[str] = (),
                     seed: int = 0, captions: Captions | None = None) -> dict:
@@ -783,13 +780,13 @@ def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, b
     gen = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, num_classes, (len(grids),), generator=gen)
     text = captions.ids(trainer.task.tokenizer, len(grids)) if captions else None
-    device = "cpu" if captions else trainer.d.device  # as bench_vitgraph_native's
+    device = trainer.d.device
     steps, counts = [], []
     for b in batched_steps(grids, batch * dp):
         idx = b[rank * batch:(rank + 1) * batch]
         images = torch.randint(0, 256, (batch, size, size, 3), dtype=torch.uint8, generator=gen)
         fields = (images, labels[idx]) + ((text[idx],) if text is not None else ())
-        steps.append(tuple(_pinned(t) if device == "cpu" else t.to(device) for t in fields))
+        steps.append(tuple(t.to(device) for t in fields))
         real = sum(grids[i][0] * grids[i][1] for i in b)
         computed = len(b) * (max_patches + int(cfg.model.class_token) + cfg.model.num_registers)
         if captions:

@@ -142,6 +142,29 @@ def test_greedy_captions_of_a_pack_are_the_argmax_after_each_prefix(dist1):
     assert keep.sum() > 3 * 4  # the comparison covers decode steps
 
 
+def test_a_pack_with_its_host_fields_appended_prepares_as_without(dist1):
+    """The prefetcher appends the task's host fields (the language model's layout, made from
+    the pack's CPU fields in its thread): prepare takes them instead of making its own."""
+    task, _, _ = setup(dist1)
+    plan = task.plan
+    fields = assemble([torch.zeros(h * w, plan.pack.patch_dim, dtype=torch.uint8)
+                       for h, w in GRIDS], GRIDS, [4, 7, 0], plan.pack)
+    tokens = torch.zeros(plan.pack.max_images, plan.caption.text_length, dtype=torch.long)
+    tokens[:3] = task.tokenizer(CAPTIONS)
+    raw = (*fields, tokens)
+    extra = task.host_fields(raw)
+    assert len(extra) == 4  # src, positions, cu_seqlens, text rows
+    want = task.prepare(raw, None, "cpu", True)
+    src, pos, cu, rows = extra
+    got = task.prepare((*raw, src, pos + 1, cu, rows), None, "cpu", True)  # marked: taken
+    assert len(got) == len(want) == 10
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b + 1 if i == 7 else b), i
+    fixed = CaptionTask(resolve(load_config(VLM, ["model.spec=torch", "data.resolution=fixed"]),
+                                1), dist1)
+    assert fixed.host_fields(raw) == ()
+
+
 def test_layer_graphs_give_the_eager_loss_and_gradients_at_native_resolution(dist1):
     """The tower's and the language model's layers graphed (the CPU rerun backend) on packs:
     eager's loss and gradients exactly, at capture and at replay (another pack)."""

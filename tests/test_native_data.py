@@ -566,17 +566,30 @@ def test_crop_boxes_are_per_image_and_resumable():
     assert crop_box((0.0, 0.5, 0.01, 0.51), 10, 20) == (0, 10, 1, 11)
 
 
-def test_packs_through_the_prefetcher_on_cpu():
+def test_packs_through_the_prefetcher_on_cpu_with_the_tasks_host_fields():
+    """The loader's packs, and after each the fields the task makes from its CPU fields
+    (the caption task's language-model layout), made in the prefetcher's thread."""
+    import threading
     from vitgraph.data.prefetch import Prefetcher
     ds, s = toy(40), spec()
     want = PackedLoader(ds, s, 2, 0, 1, seed=0)
-    pre = Prefetcher(PackedLoader(ds, s, 2, 0, 1, seed=0), "cpu")
+    threads = set()
+
+    def host_fields(mb):
+        threads.add(threading.current_thread().name)
+        return (mb[2] * 2, mb[4].sum())
+
+    pre = Prefetcher(PackedLoader(ds, s, 2, 0, 1, seed=0), "cpu", host_fields)
     try:
         for _ in range(3):
-            assert same(pre.next_step(), want.next_step())
+            got, packs = pre.next_step(), want.next_step()
+            assert same([mb[:-2] for mb in got], packs)
+            for mb, pack in zip(got, packs):
+                assert torch.equal(mb[-2], pack[2] * 2) and torch.equal(mb[-1], pack[4].sum())
             assert pre.state_dict() == want.state_dict()
     finally:
         pre.close()
+    assert threads == {"vitgraph-prefetch_0"}
 
 
 def test_pack_spec_from_the_packing_keys():

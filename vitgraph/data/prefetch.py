@@ -34,10 +34,14 @@ from vitgraph.data.loader import MicrobatchLoader
 class Prefetcher:
     """``MicrobatchLoader``'s interface (``next_step``, ``state_dict``, ``load_state_dict``,
     ``epoch``, ``steps_per_epoch``), made ahead. ``device``: where microbatch tensors are
-    put (a CUDA device: from a side stream; otherwise they stay as the loader made them)."""
+    put (a CUDA device: from a side stream; otherwise they stay as the loader made them).
+    ``host_fields``: fields made from a microbatch's CPU fields in the background thread and
+    appended to it (the task's ``host_fields``), so that nothing reads them back from the
+    device."""
 
-    def __init__(self, loader: MicrobatchLoader, device):
+    def __init__(self, loader: MicrobatchLoader, device, host_fields=None):
         self.loader = loader
+        self.host_fields = host_fields
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -58,6 +62,8 @@ class Prefetcher:
     def _make(self):
         """Background thread: the loader's next step, on the CPU, and its position after it."""
         batches = self.loader.next_step()
+        if self.host_fields is not None:
+            batches = [(*mb, *self.host_fields(mb)) for mb in batches]
         return batches, self.loader.state_dict(), getattr(self.loader, "last_counts", None)
 
     def _stage(self, made):

@@ -132,8 +132,8 @@ def text_layout(seg, tokens, eos: int, spec: TextPackSpec) -> tuple[torch.Tensor
       are never read: ``caption.text_targets`` ignores them).
 
     A sample's text runs to its first EOS (the whole text_length where there is none)."""
-    seg = torch.as_tensor(seg).numpy().astype(np.int64)
-    tok = torch.as_tensor(tokens).numpy()
+    seg = torch.as_tensor(seg).cpu().numpy().astype(np.int64)  # (CUDA fields: a device wait)
+    tok = torch.as_tensor(tokens).cpu().numpy()
     M, Lt, T = spec.samples, spec.text_length, seg.shape[0]
     if tok.shape != (M, Lt):
         raise ValueError(f"text ids {tok.shape} for a pack of {M} samples of {Lt}")

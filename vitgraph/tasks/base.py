@@ -61,6 +61,12 @@ class Task:
         return 1
 
     # a step
+    def host_fields(self, raw: tuple) -> tuple:
+        """Fields a training microbatch also needs that are made from its CPU fields, made
+        by the prefetcher's thread while the loader's fields are still on the host and
+        appended to them (``prepare`` finds them there): nothing here."""
+        return ()
+
     def prepare(self, raw: tuple, key, device, first_stage: bool) -> tuple:  # pragma: no cover
         raise NotImplementedError
 

@@ -154,15 +154,22 @@ class CaptionTask(Task):
                              torch.float32, first_stage)
         return (x, tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True))
 
+    def host_fields(self, raw: tuple) -> tuple:
+        """A pack's language-model layout (``text_layout``), from its seg and text ids on
+        the host: made in the prefetcher's thread, it costs the step no wait on the device
+        for fields already staged there."""
+        if self.pack is None:
+            return ()
+        return text_layout(raw[2], raw[5], self.tokenizer.eot_id, self.text_pack)
+
     def _prepare_pack(self, raw, key, device, first_stage):
         """(x, coords, seg, cu_seqlens, tokens, labels, *text layout) of one pack on the
         device: the image pack as the classifier's (augmented per image when training), the
-        language model's pack laid out from its CPU fields (``text_layout``); an empty slot's
-        label is fill_label."""
+        language model's pack laid out from its CPU fields (``host_fields``: the prefetcher
+        has appended it to a training pack; made here for others); an empty slot's label is
+        fill_label."""
         tokens = raw[5]
-        # laid out on the host: on a GPU the prefetcher has staged seg and the ids on the
-        # device already, so they come back (a wait on the device per microbatch)
-        layout = text_layout(raw[2].cpu(), tokens.cpu(), self.tokenizer.eot_id, self.text_pack)
+        layout = raw[6:] or self.host_fields(raw)
         x, coords, seg, cu, labels = prepare_pack(raw[:5], key, device, first_stage, self.plan,
                                                   self.d)
         labels = torch.where(pk.slot_valid(seg, self.pack.max_images), labels, self.fill_label)

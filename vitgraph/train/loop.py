@@ -164,8 +164,6 @@ class Trainer:
         else:
             self.loader = MicrobatchLoader(self.train_set, t.micro_batch_size,
                                            self.num_microbatches, d.dp_rank, d.dp, t.seed)
-        if plan.data.prefetch:
-            self.loader = Prefetcher(self.loader, d.device)
         self.total_steps = t.steps or math.ceil(t.epochs * self.loader.steps_per_epoch)
         self._at_startup("data")
         # the task (vitgraph.tasks: the model, its batches and its loss) and this rank's model
@@ -174,6 +172,8 @@ class Trainer:
         decoded = decode_line(plan.data, plan.native, d.cuda)
         self.task = make_task(plan, d, self.total_steps)
         self.task.attach(self.train_set, self.val_set)
+        if plan.data.prefetch:
+            self.loader = Prefetcher(self.loader, d.device, self.task.host_fields)
         log.info("data: %s, %d train / %d held-out images, %d classes%s (%.1fs)", plan.data.kind,
                  len(self.train_set.labels), len(self.val_set.labels),
                  len(self.train_set.classes), f", {decoded}" if decoded else "",
