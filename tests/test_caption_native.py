@@ -142,6 +142,20 @@ def test_greedy_captions_of_a_pack_are_the_argmax_after_each_prefix(dist1):
     assert keep.sum() > 3 * 4  # the comparison covers decode steps
 
 
+def test_an_image_in_a_pack_costs_the_fixed_compositions_flops(dist1):
+    """Task.pack_flops (per token, token pair, image) of an image of the fixed size's token
+    count: the fixed composition's FLOPs per sample (tower, LM over image + text budget,
+    output layer)."""
+    native, fixed = (CaptionTask(resolve(load_config(VLM, ["model.spec=torch", *over]), 1),
+                                 dist1) for over in ([], ["data.resolution=fixed"]))
+    for task in (native, fixed):
+        task.build_model(with_init_from=False)
+    per_token, pair, per_image = native.pack_flops
+    n = 65  # 8 x 8 patches and the class token
+    assert fixed.flops_per_sample > 0
+    assert n * per_token + n * n * pair + per_image == pytest.approx(fixed.flops_per_sample)
+
+
 def test_a_pack_with_its_host_fields_appended_prepares_as_without(dist1):
     """The prefetcher appends the task's host fields (the language model's layout, made from
     the pack's CPU fields in its thread): prepare takes them instead of making its own."""

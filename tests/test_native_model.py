@@ -385,9 +385,12 @@ def test_classification_task_on_a_pack(dist1):
     correct = (out[:3].argmax(-1) == labels).sum()
     torch.testing.assert_close(stats.cpu(), torch.stack([ref * 3, correct.float(),
                                                          torch.tensor(3.0)]).cpu())
-    per_token, pair = task.flops_per_token
-    n = torch.tensor([1 + 15, 1 + 16, 1 + 14], dtype=torch.float64)
-    assert task.pack_flops(raw) == pytest.approx(float((n * (per_token + pair * n)).sum()))
+    # an image of n tokens costs the fixed formula's FLOPs at n tokens (a 16 x 16 image: 17)
+    from vitgraph.models.vit import vit_flops_per_image
+    per_token, pair, per_image = task.pack_flops
+    assert per_image == 0.0
+    assert 17 * per_token + 17 ** 2 * pair == pytest.approx(
+        vit_flops_per_image(task.arch, 1, 10, image_size=16))
     assert "packs of 96 tokens" in task.describe([model], 1)
     empty = task.prepare(raw_pack(task.pack, [], []), None, dist1.device, True)
     loss, stats = task.loss(empty, task.forward(model, empty))
@@ -443,7 +446,14 @@ def test_contrastive_task_on_a_pack(dist1):
         one[0][:grid[0] * grid[1]] = pk.normalise(images(grids)[i], dist1.device)
         torch.testing.assert_close(task.forward(model, one)[0][0], image[i], atol=1e-5,
                                    rtol=1e-5)
-    assert task.pack_flops(raw) > 3 * task.text_flops
+    # an image of n tokens: the image tower's fixed formula at n tokens, and its caption's
+    from vitgraph.tasks.contrastive import _tower_flops
+    per_token, pair, per_image = task.pack_flops
+    v = task.arch.vision
+    n_image = sum(p.numel() for p in model.visual.parameters())
+    assert per_image == task.text_flops > 0
+    assert 17 * per_token + 17 ** 2 * pair == pytest.approx(
+        _tower_flops(n_image, 17, v.num_layers, v.hidden_size))
     # padded slots (data.packing.layout=padded): the same weights, the same features
     slots = ContrastiveTask(resolve(native_config(
         "clip-tiny-shapes.yaml", "model.name=siglip_tiny_patch4_32", "task.context_length=32",

@@ -341,10 +341,3 @@ def key_padding_mask(seg: torch.Tensor, max_images: int, slot_len: int) -> torch
     return (~own).view(max_images, 1, 1, slot_len)
 
 
-def pack_flops(seg: torch.Tensor, max_images: int, per_token: float,
-               attention_per_token_pair: float) -> float:
-    """Training FLOPs of one pack on the host (from the raw CPU fields): sum over its images
-    of n (per_token + attention_per_token_pair * n), n an image's tokens with its prefix
-    (T (6N + 12 L d T) per image, docs/design.md)."""
-    n = torch.bincount(seg.cpu(), minlength=max_images + 1)[:max_images].double()
-    return float((n * (per_token + attention_per_token_pair * n)).sum())

@@ -405,7 +405,7 @@ def vit_flops_per_image(a: ViTArch, num_prefix: int, num_classes: int,
 def vit_flops_per_token(a: ViTArch, num_prefix: int, num_classes: int) -> tuple[float, float]:
     """Training FLOPs of a packed token, as (per token, per token and attended token): an
     image of n tokens (prefix included) costs n (6N + 12 L d n), the fixed path's formula, so
-    a pack costs the sum over its images (vitgraph.models.packed.pack_flops)."""
+    a pack costs the sum over its images (Task.pack_flops)."""
     n = vit_param_count(a, num_prefix, num_classes)
     return 6.0 * n, 12.0 * a.num_layers * a.hidden_size
 

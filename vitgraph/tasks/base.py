@@ -52,6 +52,9 @@ class Task:
     # what the log and the schedule need to know about the model
     image_size: int = 0
     flops_per_sample: float = 0.0  # training FLOPs per sample (image or image-text pair)
+    # native resolution: training FLOPs of a pack per (token, attended token pair, image), so
+    # that an image of n tokens costs what the fixed path's formula gives at n tokens
+    pack_flops: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def describe(self, chunks: list, micro_batch: int) -> str:  # pragma: no cover - interface
         raise NotImplementedError

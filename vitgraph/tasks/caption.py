@@ -81,7 +81,6 @@ class CaptionTask(Task):
         self.pack = plan.pack  # native resolution: the image pack (None: fixed size)
         self.text_pack = None if self.pack is None else \
             TextPackSpec.of(self.pack, self.lm.text_length)
-        self.flops_per_token = (0.0, 0.0)  # native: per image token, per token pair
 
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
@@ -109,19 +108,20 @@ class CaptionTask(Task):
                               first_stage=d.is_first_stage, last_stage=d.is_last_stage,
                               pad_to=plan.token_padding if plan.pads else None, pack=self.pack,
                               pos_interp=plan.pos_interp)
-        # FLOPs: the tower's, T (6N + 12 L d T) over the LM's sequence (N: its layers' and
-        # the projector's weights), the output layer's over the text
-        s, h = model.image_len + lm.text_length, lm.hidden_size
+        # FLOPs: the tower's, S (6N + 12 L h S) over the LM's sequence of S = image tokens +
+        # the text budget (N: its layers' and the projector's weights), the output layer's
+        # over the text
+        s, h, lt = model.image_len + lm.text_length, lm.hidden_size, lm.text_length
         n_lm = lm.num_layers * (4 * h * h + 2 * h * lm.ffn_hidden_size) + \
             self.arch.hidden_size * h + (h * h if lm.projector == "mlp" else 0)
-        if self.pack is not None:  # counted over the image tokens only (the loader's counts)
+        att = 12 * lm.num_layers * h
+        if self.pack is not None:  # the same per image of n tokens: S = n + lt, expanded in n
             per_token, per_pair = vit_flops_per_token(self.arch, model.visual.num_prefix, 0)
-            self.flops_per_token = (per_token + 6 * n_lm,
-                                    per_pair + 12 * lm.num_layers * lm.hidden_size)
+            self.pack_flops = (per_token + 6 * n_lm + 2 * att * lt, per_pair + att,
+                               lt * (6 * n_lm + att * lt + 6 * h * lm.vocab_size))
         self.flops_per_sample = (
             vit_flops_per_image(self.arch, int(m.class_token) + m.num_registers, 0)
-            + s * (6 * n_lm + 12 * lm.num_layers * h * s)
-            + 6 * lm.text_length * h * lm.vocab_size)
+            + s * (6 * n_lm + att * s) + 6 * lt * h * lm.vocab_size)
         # a whole caption model's export, or the tower's weights (vitgraph, timm, open_clip, hf)
         if m.init_from and with_init_from:
             init_caption(model, m.init_from, m.init_format, lm.tokenizer)

@@ -25,7 +25,6 @@ from vitgraph.convert import init_from
 from vitgraph.data.augment import AugmentParams, BatchAugment, prepare_batch
 from vitgraph.data.loader import to_device_uint8
 from vitgraph.data.native import PackAugment, PackParams, pack_inputs, pack_to_device
-from vitgraph.models import packed as pk
 from vitgraph.models.build import build_model
 from vitgraph.models.vit import vit_flops_per_image, vit_flops_per_token
 from vitgraph.tasks.base import Task, reduce_stats, stats
@@ -42,7 +41,6 @@ class ClassificationTask(Task):
         self.augment = None
         self.pack_augment = None  # native resolution: a pack's per-image augmentation
         self.pack = getattr(plan, "pack", None)
-        self.flops_per_token = (0.0, 0.0)  # native: (per token, per token pair); see pack_flops
         self.teacher = None
         self._teacher_out = {}  # key -> the teacher's logits (this step's, vpp > 1)
 
@@ -64,7 +62,8 @@ class ClassificationTask(Task):
                              self.plan.train.seed)
         classes = self.plan.model.num_classes or self.num_classes
         if self.pack is not None:  # images of every size: FLOPs are counted per pack
-            self.flops_per_token = vit_flops_per_token(self.arch, chunks[0].num_prefix, classes)
+            self.pack_flops = (*vit_flops_per_token(self.arch, chunks[0].num_prefix, classes),
+                               0.0)
         else:
             self.flops_per_sample = vit_flops_per_image(self.arch, chunks[0].num_prefix,
                                                         self.num_classes)
@@ -74,10 +73,6 @@ class ClassificationTask(Task):
                 init_from(chunk, m.init_from, m.init_format)
         return chunks
 
-    def pack_flops(self, raw) -> float:
-        """Training FLOPs of one raw pack (its CPU fields, as the loader gives them)."""
-        return pk.pack_flops(raw[2], self.pack.max_images, *self.flops_per_token)
-
     def describe(self, chunks: list, micro_batch: int) -> str:
         m = chunks[0]
         if self.pack is not None:
@@ -86,8 +81,8 @@ class ClassificationTask(Task):
                     f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this "
                     f"rank, packs of {m.padded_len(1)} tokens ({m.packed_attention}: at most "
                     f"{k.max_images} images of <= {k.max_patches} patches + {k.num_prefix} "
-                    f"prefix tokens), {self.flops_per_token[0] / 1e9:.3f} GFLOP/token + "
-                    f"{self.flops_per_token[1] / 1e6:.3f} MFLOP/token pair in attention (train)")
+                    f"prefix tokens), {self.pack_flops[0] / 1e9:.3f} GFLOP/token + "
+                    f"{self.pack_flops[1] / 1e6:.3f} MFLOP/token pair in attention (train)")
         padded = m.padded_len(micro_batch)
         return (f"{self.plan.model.name}, spec {self.plan.spec}, "
                 f"{sum(p.numel() for c in chunks for p in c.parameters())} params on this rank, "

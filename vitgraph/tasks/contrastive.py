@@ -85,7 +85,6 @@ class ContrastiveTask(Task):
         self.augment = None
         self.classes: list[str] = []
         self.pack = getattr(plan, "pack", None)
-        self.flops_per_token = (0.0, 0.0)  # native: the image tower's, see pack_flops
         self.text_flops = 0.0  # one caption through the text tower
 
     def attach(self, train_set, val_set) -> None:
@@ -124,20 +123,15 @@ class ContrastiveTask(Task):
         n_image = sum(p.numel() for p in model.visual.parameters())
         self.text_flops = _tower_flops(n_text, self.context_length, t.num_layers, t.hidden_size)
         if self.pack is not None:
-            self.flops_per_token = (6.0 * n_image, 12.0 * v.num_layers * v.hidden_size)
+            # an image's tokens through the image tower, its caption through the text tower
+            self.pack_flops = (6.0 * n_image, 12.0 * v.num_layers * v.hidden_size,
+                               self.text_flops)
         else:
             self.flops_per_sample = _tower_flops(n_image, model.visual.seq_len, v.num_layers,
                                                  v.hidden_size) + self.text_flops
         if plan.model.init_from and with_init_from:
             init_from(model, plan.model.init_from, plan.model.init_format)
         return [model]
-
-    def pack_flops(self, raw) -> float:
-        """Training FLOPs of one raw pack (CPU fields): its images through the image tower
-        and their captions through the text tower."""
-        seg, m = raw[2], self.pack.max_images
-        images = int((torch.bincount(seg.cpu(), minlength=m + 1)[:m] > 0).sum())
-        return pk.pack_flops(seg, m, *self.flops_per_token) + images * self.text_flops
 
     def describe(self, chunks, micro_batch):
         m = chunks[0]
@@ -149,8 +143,8 @@ class ContrastiveTask(Task):
             return head + (f"packs of {k.tokens} image tokens (at most {k.max_images} images "
                            f"of <= {k.max_patches} patches + {k.num_prefix} prefix tokens), "
                            f"{self.context_length} text positions, "
-                           f"{self.flops_per_token[0] / 1e9:.3f} GFLOP/image token + "
-                           f"{self.flops_per_token[1] / 1e6:.3f} MFLOP/token pair in attention "
+                           f"{self.pack_flops[0] / 1e9:.3f} GFLOP/image token + "
+                           f"{self.pack_flops[1] / 1e6:.3f} MFLOP/token pair in attention "
                            f"+ {self.text_flops / 1e9:.2f} GFLOP/caption (train)"
                            + self._caption_dropout_line())
         return head + (f"{m.visual.seq_len} image tokens, {self.context_length} text positions, "

@@ -330,8 +330,7 @@ class Trainer:
         health = StepHealth(t.max_bad_steps)
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
                                self.flops_per_sample, t.peak_flops if self.d.cuda else None,
-                               flops_per_token=getattr(self.task, "flops_per_token", None)
-                               if self.plan.native else None,
+                               pack_flops=self.task.pack_flops if self.plan.native else None,
                                extra_stats=self.task.extra_stats)
         t_start, first_step, record = time.time(), self.step, {}
         with Progress(self.total_steps, self.step, t.progress and self.d.rank == 0) as progress:

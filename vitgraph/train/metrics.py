@@ -65,14 +65,16 @@ class MetricsWindow:
     loss terms (Task.extra_stats), each logged as its mean over the window's samples."""
 
     def __init__(self, device: torch.device, d, global_batch: int, flops_per_sample: float,
-                 peak_flops: float | None, flops_per_token: tuple[float, float] | None = None,
+                 peak_flops: float | None,
+                 pack_flops: tuple[float, float, float] | None = None,
                  extra_stats: tuple[str, ...] = ()):
         self.device, self.d = device, d
         self.global_batch, self.flops_per_sample = global_batch, flops_per_sample
         self.peak_flops = peak_flops
         # native resolution: a step's images and tokens vary; the loader counts them on the
-        # host (PackedLoader.last_counts) and FLOPs are (per token, per attended token pair)
-        self.flops_per_token = flops_per_token
+        # host (PackedLoader.last_counts) and FLOPs are (per token, per attended token pair,
+        # per image: the task's Task.pack_flops)
+        self.pack_flops = pack_flops
         self.extra_stats = extra_stats
         self.stats = torch.zeros(3 + len(extra_stats), device=device)
         self._clear()
@@ -108,10 +110,10 @@ class MetricsWindow:
             torch.cuda.synchronize()
         dt = time.time() - self.t0
         extra_rates = {}
-        if self.flops_per_token is not None:  # packs: what the loader counted
-            c, (per_token, per_pair) = self.counts, self.flops_per_token
+        if self.pack_flops is not None:  # packs: what the loader counted
+            c, (per_token, per_pair, per_image) = self.counts, self.pack_flops
             ips = c["images"] / dt
-            flops = c["tokens"] * per_token + c["token_pairs"] * per_pair
+            flops = c["tokens"] * per_token + c["token_pairs"] * per_pair + c["images"] * per_image
             tflops = flops / dt / self.d.world / 1e12
             extra_rates["real_tokens_per_s"] = c["patches"] / dt
         else:
