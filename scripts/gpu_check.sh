@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, for a CUDA machine with TE and megatron-core importable
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
-#   usage: scripts/gpu_check.sh [tests|tests-a|tests-b|tests-c|configs|plan|train|graphs-train|multi|resume-optim|
-#          fp8-curve|data|clip|profile|loop-rate|bench|native|vlm|configs-bench ...]   (default: tests train)
+#   usage: scripts/gpu_check.sh [tests|tests-a|tests-b|tests-c|configs|plan|train|graphs-train|
+#          multi|resume-optim|fp8-curve|data|clip|profile|loop-rate|bench|native|vlm|l16-mb8|
+#          configs-bench ...]   (default: tests train)
 #   tests: `pytest -m gpu tests/gpu` (over 11 min on one H100); tests-a / -b / -c: its parts (the
 #   VLM's tests in c), each within a 10-minute call.
 #   native (1 GPU): the native-resolution rows of record (docs/native.md), one bench process and
@@ -11,6 +12,8 @@
 #   for SO400M/14).
 #   vlm (1 GPU): bench.py --vlm at $VLM_PATCHES (default 576 1024), one JSON each; byte-level ids
 #   unless open_clip is importable (CLIP's BPE).
+#   l16-mb8 (1 GPU): ViT-L/16 at micro-batch 8, step graphs against timm + compile
+#   reduce-overhead in one process.
 #   configs-bench (1 GPU): bench.py --configs, every bundled GPU config as shipped (or those of
 #   $BENCH_CONFIGS) on JPEGs made here.
 #   configs (1 GPU): every GPU config's header smoke line (scripts/smoke_configs.py); fails unless
@@ -45,8 +48,8 @@ for s in "${steps[@]}"; do
   case $s in
     tests|tests-a|tests-b|tests-c)
       # b: every file that a and c do not name
-      declare -A PART=([tests-a]="checkpoint data distill freeze fsdp graphs model native_data native"
-                       [tests-c]="caption tower")
+      declare -A PART=([tests-a]="checkpoint data distill freeze fsdp graphs model native_data
+                                  native" [tests-c]="caption tower")
       named=$(printf "tests/gpu/test_%s_gpu.py\n" ${PART[tests-a]} ${PART[tests-c]})
       case $s in
         tests) files=(tests/gpu) ;;
@@ -212,6 +215,12 @@ for s in "${steps[@]}"; do
         timeout -s INT 280 python scripts/bench.py --vlm "${tok[@]}" --max-patches $p --warmup 4 --iters 6 \
           --out "$out/vlm-so400m16-$p.json" 2>&1 | tee "$out/vlm-$p.log" | tail -12
       done ;;
+    l16-mb8)
+      # ViT-L/16 at micro-batch 8: step graphs (the fused norm as auto picks it) against timm
+      # + compile reduce-overhead, one process
+      timeout -s INT 400 python scripts/bench.py --model vit_l16_224 --micro-batches 8 --systems \
+        vitgraph+step-graphs timm+compile-reduce-overhead --warmup 10 --iters 30 \
+        --out "$out/vit_l16-mb8.json" 2>&1 | tee "$out/vit_l16-mb8.log" | tail -8 ;;
     configs-bench)
       # classifiers on a JPEG ImageFolder (500x375, photo-like noise), pairs on captioned shards
       # of it; $BENCH_CONFIGS: some of them (default all)
