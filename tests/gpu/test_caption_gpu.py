@@ -1,12 +1,14 @@
 """GPU: task.kind=caption through `vitgraph train` with TE layers in bf16 (the tower,
 megatron-core's projector and GPTModel), at fixed and native resolution: layer graphs and step
 graphs train the eager run's curve, the loss falls, and the eval (caption loss, greedy
-captions through megatron-core's KV cache on TE attention) writes its metrics."""
+captions through megatron-core's KV cache on TE attention) writes its metrics; a native pack
+from the prefetcher is prepared without a host read."""
 import json
 import math
 import re
 
 import pytest
+import torch
 
 from conftest import ROOT, tiny_overrides
 
@@ -59,3 +61,29 @@ def test_caption_graphs_train_the_eager_curve_and_eval_on_the_gpu(tmp_path, caps
                                                        rel=1e-4)
     assert 0 <= metrics["eval_class_word_accuracy"] <= 1
     assert "greedy captions:" in (tmp_path / "step" / "train.log").read_text()
+
+
+def test_a_native_caption_pack_is_prepared_without_a_host_read(tmp_path):
+    """The prefetcher stages a pack with its language model's layout appended (made from its
+    CPU fields in the prefetcher's thread), so preparing it reads nothing back from the
+    device: CUDA's sync debug mode raises on any synchronizing call."""
+    from vitgraph.config import load_config
+    from vitgraph.models.specs import te_available
+    from vitgraph.train.loop import Trainer
+    if not te_available():
+        pytest.skip("Transformer Engine is not installed")
+    cfg = load_config(ROOT / "configs" / "vlm-tiny-shapes-native.yaml", tiny_overrides(
+        tmp_path, 4, **{"model.spec": "auto", "graphs.enabled": "false"}))
+    t = Trainer(cfg)
+    try:
+        pack = t.loader.next_step()[0]
+        assert len(pack) == 6 + 4 and all(f.is_cuda for f in pack)  # fields + the layout
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            inputs = t._prepare(pack, (0, 0))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert len(inputs) == 10 and all(x.is_cuda for x in inputs)
+    finally:
+        t.close(shutdown_dist=False)
