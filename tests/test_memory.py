@@ -191,3 +191,28 @@ def test_cli_offers_fsdp_where_it_fits(plan):
     assert r.returncode == 1, r.stderr
     would = r.stdout.split("would fit: ")[1]
     assert "parallel.fsdp=true on 4 data-parallel ranks" in would, would
+
+
+def test_a_caption_model_plans_its_language_model_and_logits():
+    """task.kind=caption: the language model's layers and activations (over each image's
+    tokens and its text budget) beside the tower's; under pp the tower, projector and
+    embedding sit on the first stage, the LM's layers split, its logits on the last."""
+    vlm = ROOT / "configs" / "vlm-tiny-shapes.yaml"
+    over = ["model.spec=torch", "lm.num_layers=2"]
+    model = model_of(vlm, over)
+    lm_layers = {q.layer for q in model.params if q.layer is not None}
+    assert model.num_layers == 2 and lm_layers == {0, 1}
+    image, language = model.stacks
+    assert (image.pipelined, language.pipelined) == (False, True)
+    assert (image.tokens, language.tokens) == (65, 65 + 32) and model.logit_bytes > 0
+    tower = sum(q.numel for q in model.params if q.layer is None and q.first)
+    one = plan_memory(_cfg(vlm, *over), model, Layout())
+    two = plan_memory(_cfg(vlm, *over, "parallel.pp=2"), model, Layout(pp=2))
+    first, last = two.stages
+    assert first.params > tower > last.params > 0
+    assert first.params + last.params == one.stages[0].params
+    # stage 0: the tower and one LM layer; stage 1: one LM layer and the logits
+    lm_layer = layer_bytes_per_token(language, 1, False, False) * 32 * language.tokens
+    tower_acts = layer_bytes_per_token(image, 1, False, False) * 32 * image.tokens * 4
+    assert first.activations > tower_acts + lm_layer > last.activations > lm_layer
+    assert one.stages[0].activations > tower_acts + 2 * lm_layer

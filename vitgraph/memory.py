@@ -14,7 +14,9 @@ megatron attributes and layer index). The rest is counted from the layout:
 * activations: what autograd keeps per encoder layer and token (TE's layers, flash
   attention: no per-pair terms) times the microbatches in flight on the stage (1F1B:
   pp - stage; interleaved: megatron's warm-up count), less what train.recompute drops, plus
-  the transient working set of one layer's backward (and of one recomputed unit);
+  the transient working set of one layer's backward (and of one recomputed unit); a caption
+  model adds its language model over each image's tokens and its text budget (the tower
+  whole on the first stage, the LM's layers over the stages) and its text logits;
 * a runtime term (cuBLAS / cuDNN / TE workspaces, NCCL, the caching allocator's slack).
 
 The total is what ``torch.cuda.max_memory_reserved`` reaches (the logs' ``peak_reserved_gib``);
@@ -35,6 +37,7 @@ import torch
 from vitgraph.config import check_layout, graph_constraints, load_config, task_kind
 from vitgraph.graphs.auto import choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple
+from vitgraph.models.caption import TextPackSpec
 from vitgraph.models.freeze import freeze, global_names
 from vitgraph.models.vit import sequence_length
 from vitgraph.parallel.setup import init_distributed, shutdown
@@ -74,13 +77,16 @@ class Layout:
 
 @dataclass(frozen=True)
 class Stack:
-    """One encoder stack, as activations see it: ``tokens`` per sample (padding included)."""
+    """One encoder stack, as activations see it: ``tokens`` per sample (padding included).
+    ``pipelined``: its layers are split over the pipeline stages (else it sits whole on the
+    first stage: a caption model's tower; a CLIP pair runs on one stage)."""
     name: str
     layers: int
     hidden: int
     ffn: int
     heads: int
     tokens: int
+    pipelined: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,11 @@ class Model:
     """What the plan needs of a config's model: its parameters and its encoder stacks."""
     params: tuple
     stacks: tuple
-    num_layers: int  # layers of the (pipelined) image encoder
+    num_layers: int  # layers of the pipelined stack (the image encoder; a caption's LM)
     image_bytes: int  # one input image on the device, bytes (a pack's pixels: per token)
+    # a caption model's text logits on the last stage, bytes per sample (a pack's: per pack)
+    # at tp 1: bf16 out of the output layer, the loss's fp32 copy and its gradient
+    logit_bytes: int = 0
 
 
 @dataclass
@@ -149,12 +158,29 @@ def _stacks(cfg, plan) -> tuple:
         tokens = (sequence_length(a, plan.pair.class_token) if plan.pair is not None
                   else sequence_length(a, cfg.model.class_token, cfg.model.num_registers,
                                   cfg.model.distill_token))
-    stacks = [Stack("image", a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads, tokens)]
+    c = plan.caption
+    stacks = [Stack("image", a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads, tokens,
+                    pipelined=c is None)]
     if task_kind(cfg) == "contrastive" and plan.pair is not None:
         t = plan.pair.text
         stacks.append(Stack("text", t.num_layers, t.hidden_size, t.ffn_hidden_size, t.num_heads,
-                            t.context_length))
+                            t.context_length, pipelined=False))
+    if c is not None:  # the language model over each image's tokens and its text budget
+        lm_tokens = (TextPackSpec.of(plan.pack, c.text_length).tokens if plan.pack is not None
+                     else tokens + c.text_length)
+        stacks.append(Stack("language", c.num_layers, c.hidden_size, c.ffn_hidden_size,
+                            c.num_heads, lm_tokens))
     return tuple(stacks)
+
+
+def _caption_param(name: str) -> tuple[int | None, bool]:
+    """(its language-model layer, on the first stage) of a caption model's parameter: the
+    tower, the projector and the embedding sit on the first stage, the final norm and the
+    output layer on the last."""
+    m = re.match(r"language_model\.decoder\.layers\.(\d+)\.", name)
+    if m:
+        return int(m.group(1)), False
+    return None, not name.startswith(("language_model.decoder.", "language_model.output_layer"))
 
 
 # one CPU process, the model as training builds it at tp = pp = 1 (its names are the global ones)
@@ -194,17 +220,26 @@ def model_of(path, overrides=()) -> Model:
         params = []
         for p in chunks[0].parameters():
             name = names[id(p)]
-            m = re.search(r"(?:^|\.)decoder\.layers\.(\d+)\.", name)
-            image_layer = m is not None and not name.startswith("text.")
+            if plan.caption is not None:
+                layer, first = _caption_param(name)
+            else:
+                m = re.search(r"(?:^|\.)decoder\.layers\.(\d+)\.", name)
+                image_layer = m is not None and not name.startswith("text.")
+                layer = int(m.group(1)) if image_layer else None
+                first = not image_layer and _embedding_side(name)
             params.append(Param(
                 numel=p.numel(), split=bool(getattr(p, "tensor_model_parallel", False)),
-                trainable=p.requires_grad, layer=int(m.group(1)) if image_layer else None,
-                first=not image_layer and _embedding_side(name)))
+                trainable=p.requires_grad, layer=layer, first=first))
         stacks = _stacks(single, plan)
     finally:
         shutdown()
     c = 3 * (plan.arch.patch_size ** 2 if plan.pack is not None else plan.arch.image_size ** 2)
-    return Model(tuple(params), stacks, plan.arch.num_layers, image_bytes=4 * c)
+    lm = plan.caption
+    if lm is None:
+        return Model(tuple(params), stacks, plan.arch.num_layers, image_bytes=4 * c)
+    texts = plan.pack.max_images if plan.pack is not None else 1
+    return Model(tuple(params), stacks, lm.num_layers, image_bytes=4 * c,
+                 logit_bytes=texts * lm.text_length * lm.vocab_size * (2 + 4 + 4))
 
 
 def _embedding_side(name: str) -> bool:
@@ -344,9 +379,11 @@ def _stage_activations(model: Model, layout: Layout, stage: int, mb: int, per_ch
     tower's layers, embedding and norms, the input images on the first stage."""
     kept = working = 0
     for s in model.stacks:
+        if not s.pipelined and stage > 0:
+            continue
         padded = s.name == "image" and not packed
         tokens = mb * (_padded(s.tokens, mb, layout, fp8) if padded else s.tokens)
-        layers = per_chunk if s.name == "image" else s.layers
+        layers = per_chunk if s.pipelined else s.layers
         k, w = _stack_activations(s, layers, tokens, layout, fp8 and not step_fp8, recompute)
         # the embedding (patches, positions) and the head's norm: 8 h per token
         side = 8 * s.hidden * tokens // (layout.tp if layout.sequence_parallel else 1)
@@ -354,8 +391,10 @@ def _stage_activations(model: Model, layout: Layout, stage: int, mb: int, per_ch
             side += mb * model.image_bytes if not packed else s.tokens * model.image_bytes
         kept += k + side
         working = max(working, w)
-    if len(model.stacks) > 1:  # contrastive logits over the global batch, fp32, and grads
-        kept += 3 * 4 * mb * mb * layout.dp
+    if any(s.name == "text" for s in model.stacks):  # contrastive logits over the global
+        kept += 3 * 4 * mb * mb * layout.dp  # batch, fp32, and grads
+    if stage == layout.pp - 1:
+        kept += mb * model.logit_bytes // layout.tp
     return kept, working
 
 
