@@ -216,3 +216,24 @@ def test_a_caption_model_plans_its_language_model_and_logits():
     tower_acts = layer_bytes_per_token(image, 1, False, False) * 32 * image.tokens * 4
     assert first.activations > tower_acts + lm_layer > last.activations > lm_layer
     assert one.stages[0].activations > tower_acts + 2 * lm_layer
+
+
+def test_native_plans_give_the_largest_pack_that_fits():
+    """At native resolution a microbatch is one pack: the plan's largest pack (in steps of
+    PACK_STEP tokens) fits the budget and the next step does not; the CLI says so."""
+    from vitgraph.memory import PACK_STEP, largest_pack, report, with_pack_tokens
+    vlm = ROOT / "configs" / "vlm-tiny-shapes-native.yaml"
+    over = ["model.spec=torch"]
+    cfg, model = _cfg(vlm, *over), model_of(vlm, over)
+    image, language = model.stacks
+    bigger = with_pack_tokens(model, image.tokens + 1000)
+    assert (bigger.stacks[0].tokens, bigger.stacks[1].tokens) == (image.tokens + 1000,
+                                                                  language.tokens + 1000)
+    budget = 2 * GIB
+    best = largest_pack(cfg, model, Layout(), budget)
+    assert best > image.tokens and best % PACK_STEP == 0
+    peak = [plan_memory(cfg, with_pack_tokens(model, t), Layout(), 1).peak
+            for t in (best, best + PACK_STEP)]
+    assert peak[0] <= budget < peak[1]
+    text, _ = report(vlm, over, 1, 2 + 0.5)
+    assert f"largest data.packing.tokens_per_microbatch that fits: {best} " in text

@@ -413,8 +413,32 @@ def layout_of(cfg, gpus: int) -> Layout:
 def largest_micro_batch(cfg, model: Model, layout: Layout, budget: int, recompute=None,
                         cap: int = 4096) -> int:
     """The largest micro-batch whose plan fits ``budget`` bytes (0: not even 1)."""
-    def fits(mb):
-        return plan_memory(cfg, model, layout, mb, recompute).peak <= budget
+    return _largest(lambda mb: plan_memory(cfg, model, layout, mb, recompute).peak <= budget, cap)
+
+
+def with_pack_tokens(model: Model, tokens: int) -> Model:
+    """A native-resolution ``model`` with image packs of ``tokens`` tokens (a caption
+    model's language-model pack grows by as many)."""
+    more = tokens - model.stacks[0].tokens
+    return replace(model, stacks=tuple(replace(s, tokens=s.tokens + more)
+                                       if s.name in ("image", "language") else s
+                                       for s in model.stacks))
+
+
+# data.packing.tokens_per_microbatch: a multiple of this (as the packs' FP8 and tp rounding
+# ask at most), up to 1M tokens
+PACK_STEP = 256
+
+
+def largest_pack(cfg, model: Model, layout: Layout, budget: int, recompute=None) -> int:
+    """Native resolution (one pack a microbatch): the largest pack, in tokens, a multiple of
+    PACK_STEP, whose plan fits ``budget`` bytes (0: not even PACK_STEP)."""
+    return PACK_STEP * _largest(lambda n: plan_memory(
+        cfg, with_pack_tokens(model, n * PACK_STEP), layout, 1, recompute).peak <= budget, 4096)
+
+
+def _largest(fits, cap: int) -> int:
+    """The largest n in 1..cap with fits(n), fits growing false with n (0: not even 1)."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -502,11 +526,15 @@ def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
                  + (f"({gpu_mem_source}; " if gpu_mem_source else "(")
                  + f"{CUDA_CONTEXT_GIB} GiB kept for the CUDA context): "
                  + ("fits" if fits else "DOES NOT FIT"))
-    best = largest_micro_batch(cfg, model, layout, budget)
+    # native resolution: a microbatch is one pack, so its size is the pack's tokens
+    native = cfg.data.resolution == "native"
+    largest, what = ((largest_pack, "data.packing.tokens_per_microbatch") if native
+                     else (largest_micro_batch, "micro-batch"))
+    best = largest(cfg, model, layout, budget)
     full = Recompute("full", "uniform", 1)
-    best_full = largest_micro_batch(cfg, model, layout, budget, full) \
+    best_full = largest(cfg, model, layout, budget, full) \
         if cfg.train.recompute != "full" else best
-    lines.append(f"largest micro-batch that fits: {best or 'none'} (recompute "
+    lines.append(f"largest {what} that fits: {best or 'none'} (recompute "
                  f"{plan.recompute})" + (f", {best_full or 'none'} with train.recompute=full"
                                          if cfg.train.recompute != "full" else ""))
     alt = alternatives(cfg, model, layout, budget) if not fits else []
@@ -521,7 +549,9 @@ def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
             "stages": [{**asdict(s), "total": s.total} for s in plan.stages],
             "peak_gib": plan.peak_gib, "gpu_mem_gib": gpu_mem_gib,
             **({"gpu_mem_source": gpu_mem_source} if gpu_mem_source else {}), "fits": fits,
-            "largest_micro_batch": best, "largest_micro_batch_full_recompute": best_full,
+            **({"largest_pack_tokens": best, "largest_pack_tokens_full_recompute": best_full}
+               if native else {"largest_micro_batch": best,
+                               "largest_micro_batch_full_recompute": best_full}),
             "would_fit": alt}, indent=1), fits
     return "\n".join(lines), fits
 
