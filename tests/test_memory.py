@@ -237,3 +237,14 @@ def test_native_plans_give_the_largest_pack_that_fits():
     assert peak[0] <= budget < peak[1]
     text, _ = report(vlm, over, 1, 2 + 0.5)
     assert f"largest data.packing.tokens_per_microbatch that fits: {best} " in text
+
+
+def test_a_native_pair_plans_a_caption_per_image_slot():
+    """A CLIP pack's text tower runs on one caption per image slot of the pack."""
+    clip = ROOT / "configs" / "clip-tiny-shapes.yaml"
+    native = ["model.spec=torch", "data.resolution=native", "data.packing.max_patches=24",
+              "data.packing.tokens_per_microbatch=96", "data.packing.max_images=5",
+              "train.micro_batch_size=1", "train.global_batch_size=2"]
+    fixed, packed = model_of(clip, ["model.spec=torch"]), model_of(clip, native)
+    assert fixed.pairs == 1 and packed.pairs > 1  # the resolved pack's image slots
+    assert packed.stacks[1].tokens == packed.pairs * fixed.stacks[1].tokens

@@ -105,9 +105,10 @@ class Model:
     stacks: tuple
     num_layers: int  # layers of the pipelined stack (the image encoder; a caption's LM)
     image_bytes: int  # one input image on the device, bytes (a pack's pixels: per token)
-    # a caption model's text logits on the last stage, bytes per sample (a pack's: per pack)
-    # at tp 1: bf16 out of the output layer, the loss's fp32 copy and its gradient
+    # a caption model's text logits on the last stage, bytes per sample at tp 1: bf16 out of
+    # the output layer, the loss's fp32 copy and its gradient
     logit_bytes: int = 0
+    pairs: int = 1  # samples a micro-batch unit holds (a pack: its image slots)
 
 
 @dataclass
@@ -162,15 +163,20 @@ def _stacks(cfg, plan) -> tuple:
     stacks = [Stack("image", a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads, tokens,
                     pipelined=c is None)]
     if task_kind(cfg) == "contrastive" and plan.pair is not None:
-        t = plan.pair.text
+        t = plan.pair.text  # a pack's captions: one per image slot
         stacks.append(Stack("text", t.num_layers, t.hidden_size, t.ffn_hidden_size, t.num_heads,
-                            t.context_length, pipelined=False))
+                            t.context_length * _pairs(plan), pipelined=False))
     if c is not None:  # the language model over each image's tokens and its text budget
         lm_tokens = (TextPackSpec.of(plan.pack, c.text_length).tokens if plan.pack is not None
                      else tokens + c.text_length)
         stacks.append(Stack("language", c.num_layers, c.hidden_size, c.ffn_hidden_size,
                             c.num_heads, lm_tokens))
     return tuple(stacks)
+
+
+def _pairs(plan) -> int:
+    """Samples (images, and their texts) of one micro-batch unit: a pack's image slots."""
+    return plan.pack.max_images if plan.pack is not None else 1
 
 
 def _caption_param(name: str) -> tuple[int | None, bool]:
@@ -236,10 +242,10 @@ def model_of(path, overrides=()) -> Model:
     c = 3 * (plan.arch.patch_size ** 2 if plan.pack is not None else plan.arch.image_size ** 2)
     lm = plan.caption
     if lm is None:
-        return Model(tuple(params), stacks, plan.arch.num_layers, image_bytes=4 * c)
-    texts = plan.pack.max_images if plan.pack is not None else 1
-    return Model(tuple(params), stacks, lm.num_layers, image_bytes=4 * c,
-                 logit_bytes=texts * lm.text_length * lm.vocab_size * (2 + 4 + 4))
+        return Model(tuple(params), stacks, plan.arch.num_layers, image_bytes=4 * c,
+                     pairs=_pairs(plan))
+    return Model(tuple(params), stacks, lm.num_layers, image_bytes=4 * c, pairs=_pairs(plan),
+                 logit_bytes=lm.text_length * lm.vocab_size * (2 + 4 + 4))
 
 
 def _embedding_side(name: str) -> bool:
@@ -391,10 +397,11 @@ def _stage_activations(model: Model, layout: Layout, stage: int, mb: int, per_ch
             side += mb * model.image_bytes if not packed else s.tokens * model.image_bytes
         kept += k + side
         working = max(working, w)
+    pairs = mb * model.pairs
     if any(s.name == "text" for s in model.stacks):  # contrastive logits over the global
-        kept += 3 * 4 * mb * mb * layout.dp  # batch, fp32, and grads
+        kept += 3 * 4 * pairs * pairs * layout.dp  # batch, fp32, and grads
     if stage == layout.pp - 1:
-        kept += mb * model.logit_bytes // layout.tp
+        kept += pairs * model.logit_bytes // layout.tp
     return kept, working
 
 
