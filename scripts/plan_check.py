@@ -63,15 +63,45 @@ def shapes_run(path: Path) -> list[str]:
             f"train.global_batch_size={mb}", "model.init_from=null"]
 
 
+def _batch(r: dict) -> tuple[list[str], str]:
+    """A bench row's batch as overrides of BENCH_BASE, and its name: a micro-batch of fixed
+    images; at native resolution (--native, --vlm) its packs (or padded slots) and the
+    language model of a caption row, or the dense caption rows' fixed composition."""
+    lm = r.get("lm")
+    # bench.py's native and caption rows train without augmentation (no mixing either)
+    plain = ["data.augment.enabled=false", "data.augment.mixup_alpha=0",
+             "data.augment.cutmix_alpha=0"]
+    caption = [] if lm is None else [
+        "task.kind=caption", f"lm.num_layers={lm['layers']}", f"lm.hidden_size={lm['width']}",
+        f"lm.num_heads={lm['heads']}", f"lm.tokenizer={lm['tokenizer']}",
+        f"lm.text_length={lm['text_length']}"]
+    attention = r.get("attention")
+    if attention == "dense":  # the fixed composition at the max_patches grid
+        return ([*plain, *caption, f"model.image_size={r['image_size']}",
+                 f"train.micro_batch_size={r['batch']}", f"train.global_batch_size={r['batch']}"],
+                f"dense {r['image_size']} px mb{r['batch']}")
+    if r.get("resolution") == "native":
+        return ([*plain, *caption, "data.resolution=native",
+                 f"data.packing.max_patches={r['max_patches']}",
+                 f"data.packing.tokens_per_microbatch={r['pack_tokens']}",
+                 f"data.packing.max_images={r['max_images']}",
+                 f"data.packing.layout={'padded' if attention == 'padded' else 'packed'}",
+                 "train.micro_batch_size=1", f"train.global_batch_size={r['microbatches']}"],
+                f"{attention} {r['microbatches']} x {r['pack_tokens']} tokens")
+    return ([f"train.micro_batch_size={r['micro_batch']}",
+             f"train.global_batch_size={r.get('global_batch', r['micro_batch'])}"],
+            f"mb{r['micro_batch']}")
+
+
 def bench_rows(path: Path) -> list[tuple[str, list[str], dict]]:
     out = []
     for r in json.loads(path.read_text())["rows"]:
         if not r["system"].startswith("vitgraph") or r.get("error") or not r.get("peak_reserved_gib"):
             continue
         graphs = r.get("graphs") or "eager"
+        batch, shape = _batch(r)
         over = [f"model.name={r['model']}", f"model.num_classes={r.get('num_classes', 10)}",
-                f"train.micro_batch_size={r['micro_batch']}",
-                f"train.global_batch_size={r.get('global_batch', r['micro_batch'])}",
+                *batch,
                 f"train.precision={'fp8' if r['precision'].startswith('fp8') else r['precision']}",
                 f"train.recompute={r.get('recompute', 'none')}",
                 "graphs.enabled=false" if graphs == "eager" else f"graphs.scope={graphs}"]
@@ -79,7 +109,7 @@ def bench_rows(path: Path) -> list[tuple[str, list[str], dict]]:
             over.append("graphs.enabled=true")
         if graphs == "layer" and r["precision"].startswith("fp8"):
             over.append("graphs.impl=te")  # bench.py's FP8 layer graphs
-        name = f"{path.name}: {r['system']} {r['model']} mb{r['micro_batch']} {r['precision']} " \
+        name = f"{path.name}: {r['system']} {r['model']} {shape} {r['precision']} " \
                f"recompute {r.get('recompute', 'none')}"
         out.append((name, over, {"peak_reserved_gib": r["peak_reserved_gib"],
                                  "images_per_s": r["images_per_s"]}))

@@ -39,6 +39,7 @@ from vitgraph.graphs.auto import choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple
 from vitgraph.models.caption import TextPackSpec
 from vitgraph.models.freeze import freeze, global_names
+from vitgraph.models.specs import THD_HEAD_DIMS
 from vitgraph.models.vit import sequence_length
 from vitgraph.parallel.setup import init_distributed, shutdown
 from vitgraph.plan import resolve
@@ -87,6 +88,9 @@ class Stack:
     heads: int
     tokens: int
     pipelined: bool = True
+    # a pack whose attention runs in slots (TE at head widths outside THD_HEAD_DIMS,
+    # vitgraph.models.specs): max_images x max_len places, each image from its slot's start
+    slot_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,11 @@ def _stacks(cfg, plan) -> tuple:
                   else sequence_length(a, cfg.model.class_token, cfg.model.num_registers,
                                   cfg.model.distill_token))
     c = plan.caption
+    k = plan.pack
+    slots = (k.max_images * k.max_len if k is not None and not k.padded
+             and a.hidden_size // a.num_heads not in THD_HEAD_DIMS else 0)
     stacks = [Stack("image", a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads, tokens,
-                    pipelined=c is None)]
+                    pipelined=c is None, slot_tokens=slots)]
     if task_kind(cfg) == "contrastive" and plan.pair is not None:
         t = plan.pair.text  # a pack's captions: one per image slot
         stacks.append(Stack("text", t.num_layers, t.hidden_size, t.ffn_hidden_size, t.num_heads,
@@ -289,6 +296,9 @@ def _stack_activations(s: Stack, layers: int, tokens: int, layout: Layout, fp8: 
     """(kept per microbatch, transient working set) of ``layers`` layers of ``s``."""
     sp = layout.sequence_parallel
     full = layer_bytes_per_token(s, layout.tp, sp, fp8) * tokens
+    if s.slot_tokens:  # q, k, v and the attention's output kept in the slots' places, and
+        # the output taken back to the tokens as the projection's input
+        full += (8 * s.hidden * (s.slot_tokens - tokens) + 2 * s.hidden * tokens) / layout.tp
     ckpt = checkpoint_bytes_per_token(s, layout.tp, sp) * tokens
     working = BACKWARD_WORKING * full
     g = recompute.granularity if recompute is not None else None
