@@ -248,3 +248,22 @@ def test_a_native_pair_plans_a_caption_per_image_slot():
     fixed, packed = model_of(clip, ["model.spec=torch"]), model_of(clip, native)
     assert fixed.pairs == 1 and packed.pairs > 1  # the resolved pack's image slots
     assert packed.stacks[1].tokens == packed.pairs * fixed.stacks[1].tokens
+
+
+def test_plan_check_plans_the_native_and_vlm_bench_rows_within_its_tolerance():
+    """scripts/plan_check.py's overrides of bench.py's packed SO400M rows (a pack's attention
+    in slots at head width 72; with the captioning GPT) give plans within 10% of the peaks
+    the committed JSONs measured."""
+    import sys
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from plan_check import BENCH_BASE, TOLERANCE, bench_rows
+    from vitgraph.memory import report
+    for path, want in ((ROOT / "benchmarks" / "h200" / "native-so400m16-1024.json", "thd"),
+                       (ROOT / "benchmarks" / "h100" / "vlm-so400m16-1024.json", "thd")):
+        name, over, measured = next(r for r in bench_rows(path) if f" {want} " in r[0]
+                                    and "step-graphs" in r[0])
+        assert "data.resolution=native" in over
+        assert ("task.kind=caption" in over) == ("vlm" in path.name)
+        plan = json.loads(report(BENCH_BASE, over, 1, 139.8, as_json=True)[0])
+        error = plan["peak_gib"] / measured["peak_reserved_gib"] - 1
+        assert abs(error) <= TOLERANCE, (name, error)
