@@ -212,7 +212,7 @@ for s in "${steps[@]}"; do
     vlm)
       python -c "import open_clip" 2>/dev/null && tok=() || tok=(--lm-tokenizer byte)
       for p in ${VLM_PATCHES:-576 1024}; do
-        timeout -s INT 280 python scripts/bench.py --vlm "${tok[@]}" --max-patches $p --warmup 4 --iters 6 \
+        timeout -s INT ${VLM_TIMEOUT:-420} python scripts/bench.py --vlm "${tok[@]}" --max-patches $p --warmup 4 --iters 6 \
           --out "$out/vlm-so400m16-$p.json" 2>&1 | tee "$out/vlm-$p.log" | tail -12
       done ;;
     l16-mb8)
