@@ -248,11 +248,9 @@ def model_of(path, overrides=()) -> Model:
         shutdown()
     c = 3 * (plan.arch.patch_size ** 2 if plan.pack is not None else plan.arch.image_size ** 2)
     lm = plan.caption
-    if lm is None:
-        return Model(tuple(params), stacks, plan.arch.num_layers, image_bytes=4 * c,
-                     pairs=_pairs(plan))
-    return Model(tuple(params), stacks, lm.num_layers, image_bytes=4 * c, pairs=_pairs(plan),
-                 logit_bytes=lm.text_length * lm.vocab_size * (2 + 4 + 4))
+    return Model(tuple(params), stacks, lm.num_layers if lm else plan.arch.num_layers,
+                 image_bytes=4 * c, pairs=_pairs(plan),
+                 logit_bytes=lm.text_length * lm.vocab_size * (2 + 4 + 4) if lm else 0)
 
 
 def _embedding_side(name: str) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, tiny_overrides
+from test_reliability_gpu import _log_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -18,11 +19,6 @@ STEPS = 30
 GRAPHS = {"eager": {"graphs.enabled": "false"},
           "layer": {"graphs.enabled": "true", "graphs.scope": "layer", "graphs.warmup_steps": 2},
           "step": {"graphs.enabled": "true", "graphs.scope": "step", "graphs.warmup_steps": 2}}
-
-
-def _losses(run_dir) -> dict:
-    recs = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines() if x.strip()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
 @pytest.mark.parametrize("config", ["vlm-tiny-shapes.yaml", "vlm-tiny-shapes-native.yaml"],
@@ -48,7 +44,7 @@ def test_caption_graphs_train_the_eager_curve_and_eval_on_the_gpu(tmp_path, caps
                 r"step (\d+)/\d+ .*replays (\d+), eager calls (\d+)", log)}
             assert counts[STEPS][0] > counts[5][0] > 0, counts
             assert counts[STEPS][1] == counts[5][1], counts
-        curves[name] = _losses(run)
+        curves[name] = _log_steps(run)
     capsys.readouterr()
     want = curves["eager"]
     assert sorted(want) == list(range(1, STEPS + 1))
