@@ -433,11 +433,13 @@ def largest_micro_batch(cfg, model: Model, layout: Layout, budget: int, recomput
 
 def with_pack_tokens(model: Model, tokens: int) -> Model:
     """A native-resolution ``model`` with image packs of ``tokens`` tokens (a caption
-    model's language-model pack grows by as many)."""
-    more = tokens - model.stacks[0].tokens
-    return replace(model, stacks=tuple(replace(s, tokens=s.tokens + more)
-                                       if s.name in ("image", "language") else s
-                                       for s in model.stacks))
+    model's language-model pack grows by as many; slots, where attention runs in them, in
+    proportion: the images a pack holds grow with it)."""
+    image = model.stacks[0]
+    more = tokens - image.tokens
+    return replace(model, stacks=tuple(
+        replace(s, tokens=s.tokens + more, slot_tokens=s.slot_tokens * tokens // image.tokens)
+        if s.name in ("image", "language") else s for s in model.stacks))
 
 
 # data.packing.tokens_per_microbatch: a multiple of this (as the packs' FP8 and tp rounding
