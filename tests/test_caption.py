@@ -99,6 +99,10 @@ def test_greedy_generation_gives_ids_that_decode(dist1):
         want = model(images, ids).argmax(-1)[:, :-1]
     keep = text_targets(ids, tok.eot_id, IGNORE) != IGNORE  # up to and with EOS
     assert torch.equal(ids[:, 1:][keep], want[keep])
+    # the eval calls it without megatron's Float16Module (which casts a training step's
+    # inputs): fp32 images into a bf16 model
+    ids = model.to(torch.bfloat16).generate(images, tok.sot_id, tok.eot_id, 6, tok.pad_id)
+    assert ids.shape == (2, 6) and (ids[:, 0] == tok.sot_id).all()
 
 
 def test_kv_cache_greedy_gives_the_no_cache_tokens(dist1):

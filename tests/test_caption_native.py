@@ -140,6 +140,11 @@ def test_greedy_captions_of_a_pack_are_the_argmax_after_each_prefix(dist1):
     keep = text_targets(ids[:3], tok.eot_id) != IGNORE  # up to and with EOS
     assert torch.equal(ids[:3, 1:][keep], want[keep])
     assert keep.sum() > 3 * 4  # the comparison covers decode steps
+    # the eval calls it without megatron's Float16Module: a pack's fp32 patches, bf16 model
+    assert inputs[0].dtype == torch.float32
+    ids = model.to(torch.bfloat16).generate(tuple(inputs[:4]), tok.sot_id, tok.eot_id, 4,
+                                            tok.pad_id)
+    assert ids.shape == (4, 4) and (ids[:3, 0] == tok.sot_id).all()
 
 
 def test_an_image_in_a_pack_costs_the_fixed_compositions_flops(dist1):

@@ -245,7 +245,13 @@ class CaptionModel(MegatronModule):
 
     def image_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """[b, 3, H, W] -> [n, b, lm width]: the tower's tokens through the projector."""
-        return self.projector(self.visual.forward_features(images))
+        return self.projector(self.visual.forward_features(images.to(self._tower_dtype)))
+
+    @property
+    def _tower_dtype(self) -> torch.dtype:
+        """The images' dtype for the tower: megatron's Float16Module casts a training step's
+        inputs, but the eval's greedy captions call this model without it."""
+        return self.visual.patch_embed.weight.dtype
 
     def embed(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
               start: int = 0) -> torch.Tensor:
@@ -311,7 +317,9 @@ class CaptionModel(MegatronModule):
     def packed_image_tokens(self, pack) -> torch.Tensor:
         """An image pack (x, coords, seg, cu_seqlens) -> [T, lm width]: the tower's tokens
         through the projector (padding rows too: no sample reads them)."""
-        return self.projector(self.visual.forward_features(*pack)[:, None])[:, 0]
+        x, *rest = pack
+        return self.projector(self.visual.forward_features(x.to(self._tower_dtype),
+                                                           *rest)[:, None])[:, 0]
 
     def packed_text_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
                            layout) -> torch.Tensor:

@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,8 @@ def init_for_module(cuda: bool, *, seed: int = 0, graphs: bool = False, te: bool
     collective), or over a world of one made here when there is none; with graphs on a GPU,
     megatron's graph-safe RNG tracker (TE's for the te spec: TE asserts it under capture),
     seeded by ``seed`` (which seeds the CUDA generator too). What a caller set up already is
-    kept."""
+    kept, except a tracker that graphs cannot capture when graphs are asked for (one left by
+    an eager Trainer or tower of the same process): that one is replaced."""
     if not cuda:
         cpu_shims.install()
     if not dist.is_initialized():
@@ -115,10 +117,20 @@ def init_for_module(cuda: bool, *, seed: int = 0, graphs: bool = False, te: bool
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=1,
                                      pipeline_model_parallel_size=1)
-    if cuda and graphs and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+    tracker = tensor_parallel.get_cuda_rng_tracker() if cuda and graphs else None
+    if tracker is not None and not (tracker.is_initialized() and _graph_safe(tracker, te)):
         tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=te,
                                                         use_cudagraphable_rng=True,
                                                         force_reset_rng=True)
+
+
+def _graph_safe(tracker, te: bool) -> bool:
+    """Whether layer graphs can capture ``tracker``'s forks: TE's tracker for TE attention,
+    else megatron's with graph-safe generator states."""
+    if te:
+        te_dist = sys.modules.get("transformer_engine.pytorch.distributed")
+        return isinstance(tracker, getattr(te_dist, "CudaRNGStatesTracker", ()))
+    return bool(getattr(tracker, "use_cudagraphable_rng", False))
 
 
 def check_precision(fp8_recipe: str | None, local_rank: int) -> None:
