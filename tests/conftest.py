@@ -2,6 +2,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -68,9 +69,21 @@ def write_photos(root: Path, n: int, sizes: list[tuple[int, int]]) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the kernel handed out (bind to 0)
+    and released could be given to another process's outgoing gloo connection before torchrun
+    listens on it (EADDRINUSE failed a whole launch of 30 tests once)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.SystemRandom().sample(range(20000, max(low, 20001)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def vitgraph_cmd(*args: str) -> list[str]:
