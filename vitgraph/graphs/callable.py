@@ -112,6 +112,13 @@ def capture_flags(megatron: bool = True, te: bool = True):
             end()
 
 
+def te_rng_tracker_class() -> type | None:
+    """TE's CudaRNGStatesTracker, the one TE's attention accepts under capture (None until
+    Transformer Engine is imported)."""
+    te_dist = sys.modules.get("transformer_engine.pytorch.distributed")
+    return getattr(te_dist, "CudaRNGStatesTracker", None) if te_dist is not None else None
+
+
 def preflight(module: torch.nn.Module) -> None:
     """Fail early, with the fix, on setups whose capture is known to fail.
 
@@ -119,8 +126,7 @@ def preflight(module: torch.nn.Module) -> None:
     CudaRNGStatesTracker; megatron hands it megatron's own tracker unless seeded with
     model_parallel_cuda_manual_seed(..., te_rng_tracker=True).
     """
-    te_dist = sys.modules.get("transformer_engine.pytorch.distributed")
-    te_tracker = getattr(te_dist, "CudaRNGStatesTracker", None) if te_dist is not None else None
+    te_tracker = te_rng_tracker_class()
     if te_tracker is None:
         return
     for name, m in module.named_modules():

@@ -19,7 +19,6 @@ import datetime
 import logging
 import os
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from megatron.core.transformer.module import Float16Module
 
 from vitgraph.config import ConfigError, ParallelConfig
 from vitgraph.graphs import GraphManager, StepGraphs, use_side_stream
+from vitgraph.graphs.callable import te_rng_tracker_class
 from vitgraph.graphs.off import NoGraphs
 from vitgraph.models.freeze import freeze as freeze_params
 from vitgraph.parallel import cpu_shims, fsdp
@@ -128,8 +128,8 @@ def _graph_safe(tracker, te: bool) -> bool:
     """Whether layer graphs can capture ``tracker``'s forks: TE's tracker for TE attention,
     else megatron's with graph-safe generator states."""
     if te:
-        te_dist = sys.modules.get("transformer_engine.pytorch.distributed")
-        return isinstance(tracker, getattr(te_dist, "CudaRNGStatesTracker", ()))
+        te_tracker = te_rng_tracker_class()
+        return te_tracker is not None and isinstance(tracker, te_tracker)
     return bool(getattr(tracker, "use_cudagraphable_rng", False))
 
 
