@@ -11,8 +11,8 @@
 #   padded and timm NaFlexViT + compile on the same stream at 256 / 576 / 1024 patches (and 729
 #   for SO400M/14).
 #   vlm (1 GPU): bench.py --vlm at $VLM_PATCHES (default 576 1024), one JSON each; byte-level ids
-#   unless open_clip is importable (CLIP's BPE); 32 padded / dense images a step (64 at 1024
-#   patches would need about twice the ~70 GiB that 32 took on an H100).
+#   unless open_clip is importable (CLIP's BPE); 16 padded / dense images a step (about one
+#   16,384-token pack at 1024 patches; 32 ran out of an H100's 80 GB there).
 #   l16-mb8 (1 GPU): ViT-L/16 at micro-batch 8, step graphs against timm + compile
 #   reduce-overhead in one process.
 #   configs-bench (1 GPU): bench.py --configs, every bundled GPU config as shipped (or those of
@@ -213,7 +213,7 @@ for s in "${steps[@]}"; do
     vlm)
       python -c "import open_clip" 2>/dev/null && tok=() || tok=(--lm-tokenizer byte)
       for p in ${VLM_PATCHES:-576 1024}; do
-        timeout -s INT ${VLM_TIMEOUT:-420} python scripts/bench.py --vlm "${tok[@]}" --max-patches $p --timm-batch 32 --warmup 4 --iters 6 \
+        timeout -s INT ${VLM_TIMEOUT:-420} python scripts/bench.py --vlm "${tok[@]}" --max-patches $p --timm-batch 16 --warmup 4 --iters 6 \
           --out "$out/vlm-so400m16-$p.json" 2>&1 | tee "$out/vlm-$p.log" | tail -12
       done ;;
     l16-mb8)

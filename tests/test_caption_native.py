@@ -122,13 +122,15 @@ def test_padded_image_slots_give_the_same_logits(dist1):
     torch.testing.assert_close(a[:3, :-1][keep[:3]], b[:3, :-1][keep[:3]], rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_captions_of_a_pack_are_the_argmax_after_each_prefix(dist1):
-    """Greedy captions of a pack (the tower packed, then the KV cache per image token count)
-    are, per slot, the argmax of the packed forward's logits after the ids before it; an
-    empty slot's row is padding."""
+@pytest.mark.parametrize("whole_packs", [False, True], ids=["kv-cache", "whole-pack"])
+def test_greedy_captions_of_a_pack_are_the_argmax_after_each_prefix(dist1, whole_packs):
+    """Greedy captions of a pack (the tower packed, then the KV cache per image token count,
+    or the language model's whole pack for each token) are, per slot, the argmax of the
+    packed forward's logits after the ids before it; an empty slot's row is padding."""
     task, model, inputs = setup(dist1, "lm.num_layers=2", grids=[(8, 8), (4, 10), (5, 8)])
     tok = task.tokenizer
-    ids = model.generate(tuple(inputs[:4]), tok.sot_id, tok.eot_id, 12, tok.pad_id)
+    ids = model.generate_packs([tuple(inputs[:4])], tok.sot_id, tok.eot_id, 12, tok.pad_id,
+                               whole_packs=whole_packs)[0]
     assert model.training and ids.shape == (4, 12)
     assert (ids[:3, 0] == tok.sot_id).all() and (ids[3] == tok.pad_id).all()
     want_ids = torch.zeros(4, 32, dtype=torch.long)

@@ -47,7 +47,9 @@ image tokens, then its text up to its EOS, all samples of a microbatch back to b
 thd sequence of ``TextPackSpec.tokens`` positions, one attention segment per sample (causal
 within it), positions from 0 in each, the rest padding the loss never reads (``text_layout``).
 Greedy captions run the tower packed, then the language model with its KV cache on the
-images of each token count together.
+images of each token count together; where images of many token counts would make many such
+groups (mixed sizes), the language model's pack runs whole for each token instead (one pass
+a pack, a decode pass costs a whole group's launches: ``generate_packs``).
 
 Native resolution runs at tp=1, pp=1 (config validation says so).
 """
@@ -88,6 +90,9 @@ TOWER = "visual.*"
 LANGUAGE_MODEL = "language_model.*"
 # the language model's pack length is a multiple of this (FP8 GEMMs need 16 tokens)
 TEXT_PACK_MULTIPLE = 16
+# greedy captions of image packs: more token-count groups than this per pack decode by the
+# pack's whole forward for each token rather than a KV-cached pass per group
+GROUPS_PER_PACK = 2
 
 
 @dataclass(frozen=True)
@@ -325,7 +330,15 @@ class CaptionModel(MegatronModule):
                            layout) -> torch.Tensor:
         """[M, L, vocab]: the text positions' logits of the language model's pack (see
         ``text_layout``) over ``image_tokens`` [T, h] and the slots' ids ``tokens`` [M, L]."""
-        src, positions, cu_seqlens, text_rows = layout
+        m, length = tokens.shape
+        hidden = self._packed_hidden(image_tokens, tokens, layout)
+        text = hidden[layout[3].reshape(-1)].view(m, length, hidden.shape[-1])
+        return self._logits(text.transpose(0, 1).contiguous()).transpose(0, 1)
+
+    def _packed_hidden(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
+                       layout) -> torch.Tensor:
+        """The decoder's output [tokens, h] on the language model's pack."""
+        src, positions, cu_seqlens, _ = layout
         lm, spec = self.language_model, self.text_pack
         emb = lm.embedding
         words = emb.word_embeddings(tokens)  # [M, L, h]
@@ -340,9 +353,7 @@ class CaptionModel(MegatronModule):
         # the torch spec's slot attention computes the samples' segments only (the padding
         # runs after them are never read); layer graphs drop it and compute them all
         params.image_segments = spec.samples
-        hidden = lm.decoder(hidden_states=x, attention_mask=None, packed_seq_params=params)
-        text = hidden[:, 0][text_rows.reshape(-1)].view(m, length, h)
-        return self._logits(text.transpose(0, 1).contiguous()).transpose(0, 1)
+        return lm.decoder(hidden_states=x, attention_mask=None, packed_seq_params=params)[:, 0]
 
     def next_logits(self, image_tokens: torch.Tensor, tokens: torch.Tensor,
                     cache: StaticInferenceContext) -> torch.Tensor:
@@ -373,12 +384,15 @@ class CaptionModel(MegatronModule):
             return self._greedy(self.image_tokens(images), bos, eos, length, pad)
 
     @torch.no_grad()
-    def generate_packs(self, packs: list, bos: int, eos: int, length: int,
-                       pad: int = 0) -> list[torch.Tensor]:
+    def generate_packs(self, packs: list, bos: int, eos: int, length: int, pad: int = 0,
+                       whole_packs: bool | None = None) -> list[torch.Tensor]:
         """``generate`` for each of ``packs`` (image packs): the tower on each pack, then the
         language model (KV cache) on all the images of one token count together, each
         sample's positions from 0 as in training. A pack's images mostly differ in size: one
-        pack's samples alone would decode a few at a time."""
+        pack's samples alone would decode a few at a time. ``whole_packs`` (None: where the
+        images make more than GROUPS_PER_PACK token-count groups a pack): instead the
+        language model's pack runs whole for each token (``_greedy_pack``), as many passes a
+        token as packs, not as groups; the same ids."""
         with self._eval_mode():
             tokens, where = [], {}  # each pack's [T, h]; token count -> [(pack, slot)]
             for k, pack in enumerate(packs):
@@ -392,6 +406,12 @@ class CaptionModel(MegatronModule):
                 for slot, n in enumerate(count):
                     if n:
                         where.setdefault(n, []).append((k, slot, first[slot]))
+            if whole_packs is None:
+                whole_packs = (len(where) > GROUPS_PER_PACK * len(packs)
+                               and length <= self.text_pack.text_length)
+            if whole_packs:
+                return [self._greedy_pack(t, p[2], bos, eos, length, pad)
+                        for t, p in zip(tokens, packs)]
             out = [torch.full((self.visual.pack.max_images, length), pad, dtype=torch.long,
                               device=t.device) for t in tokens]
             for n, places in sorted(where.items()):
@@ -400,6 +420,34 @@ class CaptionModel(MegatronModule):
                 for (k, slot, _), row in zip(places, ids):
                     out[k][slot] = row
             return out
+
+    def _greedy_pack(self, image_tokens: torch.Tensor, seg: torch.Tensor, bos: int, eos: int,
+                     length: int, pad: int) -> torch.Tensor:
+        """Greedy captions [M, length] of one image pack's slots (``image_tokens`` [T, h],
+        the pack's ``seg``): the language model's pack laid out with a whole text of
+        ``length`` a sample, run whole for each token; causal attention keeps the ids not
+        yet chosen out of the positions read."""
+        spec, device = self.text_pack, image_tokens.device
+        M, text_length = spec.samples, spec.text_length
+        if length > text_length:
+            raise ValueError(f"greedy captions of {length} ids from a pack laid out for "
+                             f"texts of {text_length} (lm.text_length)")
+        # no EOS among the ids: every sample keeps its whole text in the layout
+        layout = [t.to(device) for t in text_layout(
+            seg, torch.full((M, text_length), bos, dtype=torch.long), eos, spec)]
+        live = torch.bincount(seg, minlength=M + 1)[:M] > 0
+        out = torch.full((M, text_length), pad, dtype=torch.long, device=device)
+        out[:, 0] = bos
+        done = ~live
+        for i in range(1, length):
+            hidden = self._packed_hidden(image_tokens, out, layout)
+            nxt = vocab_parallel_argmax(self._logits(hidden[layout[3][:, i - 1]][None])[0])
+            out[:, i] = torch.where(done, pad, nxt)
+            done |= nxt == eos
+            if bool(done.all()):
+                break
+        out[~live] = pad
+        return out[:, :length]
 
     @contextlib.contextmanager
     def _eval_mode(self):
