@@ -449,6 +449,12 @@ def test_a_stop_signal_while_the_writer_helper_starts_is_kept(monkeypatch):
     monkeypatch.setattr(multiprocessing.resource_tracker, "ensure_running", tracker_started)
     stops = StopRequests(datetime.timedelta(minutes=1)).install()
     try:
+        # Python runs the handler in the main thread some bytecodes after the C-level one
+        # (in one fresh-clone run `received` was still None at the assertion)
+        for _ in range(200):
+            if stops.received is not None:
+                break
+            time.sleep(0.01)
         assert fa._results_queue == "queue" and stops.received == "SIGTERM"
     finally:
         stops.close()
