@@ -438,14 +438,11 @@ class CaptionModel(MegatronModule):
         live = torch.bincount(seg, minlength=M + 1)[:M] > 0
         out = torch.full((M, text_length), pad, dtype=torch.long, device=device)
         out[:, 0] = bos
-        done = ~live
-        for i in range(1, length):
+
+        def logits_at(i):
             hidden = self._packed_hidden(image_tokens, out, layout)
-            nxt = vocab_parallel_argmax(self._logits(hidden[layout[3][:, i - 1]][None])[0])
-            out[:, i] = torch.where(done, pad, nxt)
-            done |= nxt == eos
-            if bool(done.all()):
-                break
+            return self._logits(hidden[layout[3][:, i - 1]][None])[0]
+        out = greedy_ids(logits_at, out, ~live, eos, pad, length)
         out[~live] = pad
         return out[:, :length]
 
@@ -477,13 +474,21 @@ class CaptionModel(MegatronModule):
 
             def logits_at(i):
                 return first if i == 1 else self.next_logits(image[:0], out[:, i - 1:i], cache)
-        for i in range(1, length):
-            nxt = vocab_parallel_argmax(logits_at(i))
-            out[:, i] = torch.where(done, pad, nxt)
-            done |= nxt == eos
-            if bool(done.all()):
-                break
-        return out
+        return greedy_ids(logits_at, out, done, eos, pad, length)
+
+
+def greedy_ids(logits_at, out: torch.Tensor, done: torch.Tensor, eos: int, pad: int,
+               length: int) -> torch.Tensor:
+    """``out`` [b, >= length] with positions 1..length-1 filled by the argmax of
+    ``logits_at(i)`` ([b, vocab (/ tp)], the logits after the ids before i), padding after a
+    row's EOS and for rows ``done`` from the start; stops once every row is done."""
+    for i in range(1, length):
+        nxt = vocab_parallel_argmax(logits_at(i))
+        out[:, i] = torch.where(done, pad, nxt)
+        done |= nxt == eos
+        if bool(done.all()):
+            break
+    return out
 
 
 def build_caption(tower_arch, base: TransformerConfig, spec: str, lm, vocab_size: int, *,
