@@ -10,8 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, tiny_overrides
-from test_reliability_gpu import _log_steps
+from conftest import ROOT, loss_records, tiny_overrides
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +43,7 @@ def test_caption_graphs_train_the_eager_curve_and_eval_on_the_gpu(tmp_path, caps
                 r"step (\d+)/\d+ .*replays (\d+), eager calls (\d+)", log)}
             assert counts[STEPS][0] > counts[5][0] > 0, counts
             assert counts[STEPS][1] == counts[5][1], counts
-        curves[name] = _log_steps(run)
+        curves[name] = {r["step"]: r["loss"] for r in loss_records(run)}
     capsys.readouterr()
     want = curves["eager"]
     assert sorted(want) == list(range(1, STEPS + 1))
