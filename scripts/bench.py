@@ -1023,6 +1023,28 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
+def shipped_window(path: Path, data: str | None, steps: int | None, microbatches: int,
+                   run_dir: Path) -> tuple:
+    """(config, overrides, window steps, warm-up steps, log interval) of ``bench_config``'s
+    run: the config as shipped on one GPU, ``train.steps`` far past the window (it replaces an
+    epoch count: giving one of the two drops the other), the shipped warm-up, nothing saved."""
+    from vitgraph.config import load_config
+    layout = ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.sequence_parallel=false"]
+    data_over = [f"data.path={data}"] if data else []
+    cfg = load_config(path, [*data_over, *layout])
+    o = cfg.optim  # the shipped warm-up, in steps (a fraction of train.steps where it is one)
+    warmup = o.warmup_steps if o.warmup_steps is not None else \
+        int(o.warmup_fraction * cfg.train.steps) if cfg.train.steps else 0
+    steps = steps or max(150, warmup // 4)
+    log_every = max(5, steps // 15)
+    over = [*data_over, f"train.steps={max(100 * steps, 4 * warmup)}",
+            f"optim.warmup_steps={warmup}", f"train.log_every={log_every}",
+            "train.eval_every=0", "checkpoint.every=0", "checkpoint.save=false",
+            "train.progress=false", "checkpoint.resume=false", f"run.dir={run_dir}",
+            f"train.global_batch_size={microbatches * cfg.train.micro_batch_size}", *layout]
+    return cfg, over, steps, warmup, log_every
+
+
 def bench_config(path: Path, data: str | None, steps: int | None, window_s: float, runs: Path,
                  microbatches: int = 2) -> dict:
     """``vitgraph train CONFIG`` as a user runs it, in a process of its own, on ``data`` (its
@@ -1036,24 +1058,10 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     graph path auto chose. One GPU: the global batch is ``microbatches`` microbatches and tp /
     pp are 1, the rest as shipped."""
     import re
-    from vitgraph.config import load_config
     from vitgraph.train.preempt import PREEMPTED_EXIT
-    layout = ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.sequence_parallel=false"]
-    cfg = load_config(path, [*([f"data.path={data}"] if data else []), *layout])
-    o = cfg.optim  # the shipped warm-up, in steps (a fraction of train.steps where it is one)
-    warmup = o.warmup_steps if o.warmup_steps is not None else \
-        int(o.warmup_fraction * cfg.train.steps) if cfg.train.steps else 0
-    steps = steps or max(150, warmup // 4)
-    total = max(100 * steps, 4 * warmup)
-    log_every = max(5, steps // 15)
     run_dir = runs / path.stem
+    cfg, over, steps, warmup, log_every = shipped_window(path, data, steps, microbatches, run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
-    over = [*([f"data.path={data}"] if data else []), f"train.steps={total}",
-            *(["train.epochs=null"] if cfg.train.epochs else []),
-            f"optim.warmup_steps={warmup}", f"train.log_every={log_every}", "train.eval_every=0",
-            "checkpoint.every=0", "checkpoint.save=false", "train.progress=false",
-            "checkpoint.resume=false", f"run.dir={run_dir}",
-            f"train.global_batch_size={microbatches * cfg.train.micro_batch_size}", *layout]
     # a world of one of its own: this process's first Trainer set RANK, MASTER_PORT ... here
     # (vitgraph.parallel.setup.init_distributed), and a child that inherits them binds the same
     # port (EADDRINUSE)

@@ -79,6 +79,24 @@ def test_a_config_as_shipped_runs_its_window_of_the_shipped_schedule(tmp_path):
         (tmp_path / "vit-tiny-shapes" / "checkpoints").iterdir())
 
 
+def test_every_bundled_gpu_config_takes_its_as_shipped_overrides(tmp_path):
+    """--configs all: each GPU config loads with the window's overrides, its own warm-up kept
+    and train.steps far past the window (an epoch-counted config included: an extra
+    train.epochs=null once dropped the steps too, and every classifier row failed)."""
+    from vitgraph.config import load_config
+    bench = load_bench()
+    for split in ("train", "val"):
+        (tmp_path / "data" / split).mkdir(parents=True)
+    configs = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
+    assert any(load_config(p, ["data.kind=shapes"]).train.epochs for p in configs)
+    for path in configs:
+        cfg, over, steps, warmup, _ = bench.shipped_window(path, str(tmp_path / "data"), None, 2,
+                                                           tmp_path / path.stem)
+        run = load_config(path, over)
+        assert run.train.steps >= 100 * steps and run.train.epochs is None, path
+        assert run.optim.warmup_steps == warmup and steps == max(150, warmup // 4), path
+
+
 def test_vlm_rows_give_samples_real_tokens_and_the_towers_share(tmp_path, monkeypatch):
     """--vlm: a pico tower + a one-layer GPT as a caption run, packed (layer graphs, the CPU
     rerun backend) and dense (the fixed composition at the max_patches grid), each with the
