@@ -90,8 +90,8 @@ def test_every_bundled_gpu_config_takes_its_as_shipped_overrides(tmp_path):
     configs = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
     assert any(load_config(p, ["data.kind=shapes"]).train.epochs for p in configs)
     for path in configs:
-        cfg, over, steps, warmup, _ = bench.shipped_window(path, str(tmp_path / "data"), None, 2,
-                                                           tmp_path / path.stem)
+        _, over, steps, warmup, _ = bench.shipped_window(path, str(tmp_path / "data"), None, 2,
+                                                         tmp_path / path.stem)
         run = load_config(path, over)
         assert run.train.steps >= 100 * steps and run.train.epochs is None, path
         assert run.optim.warmup_steps == warmup and steps == max(150, warmup // 4), path
