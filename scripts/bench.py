@@ -1023,6 +1023,11 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
+def bundled_gpu_configs() -> list[Path]:
+    """``--configs all``: every bundled config but the CPU demos."""
+    return sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
+
+
 def shipped_window(path: Path, data: str | None, steps: int | None, microbatches: int,
                    run_dir: Path) -> tuple:
     """(config, overrides, window steps, warm-up steps, log interval) of ``bench_config``'s
@@ -1138,8 +1143,8 @@ def run_configs(args) -> int:
     runs = Path("/tmp/vitgraph-bench-configs")
     rows = []
     configs = args.configs
-    if [str(c) for c in configs] == ["all"]:  # every bundled GPU config (not the CPU demos)
-        configs = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
+    if [str(c) for c in configs] == ["all"]:
+        configs = bundled_gpu_configs()
     for path in configs:
         from vitgraph.config import load_config
         cfg = load_config(path, ["data.kind=shapes", "parallel.tp=1", "parallel.pp=1",

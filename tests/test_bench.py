@@ -87,7 +87,7 @@ def test_every_bundled_gpu_config_takes_its_as_shipped_overrides(tmp_path):
     bench = load_bench()
     for split in ("train", "val"):
         (tmp_path / "data" / split).mkdir(parents=True)
-    configs = sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
+    configs = bench.bundled_gpu_configs()
     assert any(load_config(p, ["data.kind=shapes"]).train.epochs for p in configs)
     for path in configs:
         _, over, steps, warmup, _ = bench.shipped_window(path, str(tmp_path / "data"), None, 2,
