@@ -193,6 +193,27 @@ def _rng(seed: int, key: tuple, stream: int) -> np.random.Generator:
     return np.random.default_rng([int(seed) & 0xFFFFFFFF, stream, *(int(k) for k in key)])
 
 
+def fused(fn):
+    """``fn`` (a device function of fixed shapes) compiled by torch.compile on its first call
+    with CUDA tensors, eager elsewhere. Eagerly each colour op, the erasing noise and the mix
+    is a pass over the whole microbatch in fp32; compiled they fuse into a few kernels
+    (benchmarks/BENCHMARKS.md, "The DeiT augmentation inside the step"). A step graph
+    captures the compiled kernels; a first call made inside a capture runs eagerly (compiling
+    there would not be capturable)."""
+    compiled = None
+
+    def run(*args):
+        nonlocal compiled
+        if not args[0].is_cuda:
+            return fn(*args)
+        if compiled is None:
+            if torch.cuda.is_current_stream_capturing():
+                return fn(*args)
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        return compiled(*args)
+    return run
+
+
 class AugmentParams(NamedTuple):
     """One microbatch's augmentation as drawn on the host (``BatchAugment.draw``): tensors of
     fixed shapes for a config and micro-batch size, whatever was drawn, so that a step graph
@@ -231,6 +252,7 @@ class BatchAugment:
         self.cfg, self.image_size, self.num_classes = cfg, image_size, num_classes
         self.label_smoothing, self.seed, self.rank = label_smoothing, seed, rank
         self.slot_ops = slot_ops(cfg)
+        self._fused = fused(self._apply)
 
     # ------------------------------------------------------------ parameters (CPU, numpy)
 
@@ -369,7 +391,11 @@ class BatchAugment:
               dtype=torch.float32) -> torch.Tensor:
         """The device function: uint8 [b, H, W, 3] and ``p`` (on the images' device) ->
         [b, 3, S, S]. Every op runs on the whole batch and ``torch.where`` keeps it for the
-        images that drew it: shapes and kernels depend on the config, never on the draws."""
+        images that drew it: shapes and kernels depend on the config, never on the draws.
+        On a GPU it runs compiled (``fused``)."""
+        return self._fused(images, p, dtype)
+
+    def _apply(self, images: torch.Tensor, p: AugmentParams, dtype) -> torch.Tensor:
         s, b = self.image_size, images.shape[0]
         x = images.permute(0, 3, 1, 2).float().div_(255)
         grid = F.affine_grid(p.theta, [b, 3, s, s], align_corners=False)

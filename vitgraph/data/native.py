@@ -37,7 +37,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import torch
 
-from vitgraph.data.augment import (_constant, _hash32, _normal_polar, _rng, draw_ops,
+from vitgraph.data.augment import (_constant, _hash32, _normal_polar, _rng, draw_ops, fused,
                                    slot_ops)
 from vitgraph.data.dataset import DataError
 from vitgraph.data.decode import (EncodedPack, decode_native, finish_pack_on_device,
@@ -716,6 +716,7 @@ class PackAugment:
     def __init__(self, cfg, seed: int = 0, rank: int = 0):
         self.cfg, self.seed, self.rank = cfg, int(seed), int(rank)
         self.slot_ops = slot_ops(cfg, OPS)
+        self._fused = fused(self._apply)
 
     def draw(self, slots: int, key: tuple) -> PackParams:
         """Pack ``key``'s draws for ``slots`` image slots (max_images), on the CPU: flip, then
@@ -745,7 +746,11 @@ class PackAugment:
         float32 [T, 3 q^2], normalised, zero on prefix and padding tokens. A flip is a gather
         of the image's patch columns in reverse and a mirror of each patch (the patches of the
         flipped image); each colour op runs on every token and ``torch.where`` keeps it for
-        the images that drew it; erasing is a mask made from each image's size in coords."""
+        the images that drew it; erasing is a mask made from each image's size in coords.
+        On a GPU it runs compiled (``augment.fused``)."""
+        return self._fused(patches, coords, seg, cu, p)
+
+    def _apply(self, patches, coords, seg, cu, p: PackParams) -> torch.Tensor:
         t, slots = patches.shape[0], p.flip.shape[0]
         q = math.isqrt(patches.shape[1] // 3)
         real = _real(coords, seg, slots)
