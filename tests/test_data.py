@@ -344,6 +344,10 @@ def test_imagefolder_cuda_decode_hands_jpegs_over_encoded_and_decodes_the_rest_h
     assert got.shape == cpu.images.shape and got.dtype == torch.uint8
     assert (got.float() - cpu.images.float()).abs().max() <= 2
     assert torch.equal(enc.labels, cpu.labels)
+    # data.cpu_decode_share: the batch's last share decoded in the threads, the same pixels
+    shared = _cuda_decode_folder(folder, cpu_share=0.34).images[torch.arange(3)]
+    assert [t.dim() for t in shared.data] == [1, 3, 3] and shared.names == batch.names
+    assert torch.equal(finish_on_device(shared, "cpu", decoder=_pil_decoder), got)
 
 
 def test_imagefolder_cuda_decode_skips_unreadable_files_and_survives_a_damaged_jpeg(folder, caplog):
@@ -955,6 +959,8 @@ def test_cpu_decode_share_is_checked():
     from vitgraph.config import ConfigError, load_config
     for over in (["data.cpu_decode_share=1.5"], ["data.cpu_decode_share=0.5"],
                  ["data.kind=webdataset", "data.path=/x", "data.decode=cpu",
+                  "data.cpu_decode_share=0.5"],
+                 ["data.kind=imagefolder", "data.path=/x", "data.preload=true",
                   "data.cpu_decode_share=0.5"]):
         with pytest.raises(ConfigError, match="data.cpu_decode_share"):
             load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", over)

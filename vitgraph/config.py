@@ -190,10 +190,11 @@ class DataConfig:
     # `workers` threads), cuda (nvJPEG via torchvision, batched on the GPU, one step ahead),
     # auto (cuda when CUDA and torchvision are there)
     decode: str = key("auto", choices=("cpu", "cuda", "auto"), resume_ok=True)
-    # decode=cuda: this share of each microbatch is decoded in the loader's threads instead
-    # (simplejpeg or PIL, at full size), the rest by nvJPEG; the GPU resizes all of them. On
-    # the H200 host neither share 0.6 nor 1.0 beat nvJPEG alone (0.84x and 0.76x of in-memory
-    # training; benchmarks/BENCHMARKS.md): 0 by default
+    # decode=cuda (shards, or an ImageFolder with preload false; fixed resolution): this share
+    # of each microbatch is decoded in the loader's threads instead (simplejpeg or PIL, at full
+    # size), the rest by nvJPEG; the GPU resizes all of them. From shards on the H200 host
+    # neither share 0.6 nor 1.0 beat nvJPEG alone (0.84x and 0.76x of in-memory training;
+    # benchmarks/BENCHMARKS.md): 0 by default
     cpu_decode_share: float = key(0.0, min=0, max=1)
     # webdataset: shards are shuffled, and samples within windows of this many shards
     shuffle_shards: int = key(4, min=1)
@@ -211,10 +212,13 @@ class DataConfig:
 
 def _validate_data(d: DataConfig, err) -> None:
     """data.*: its keys against each other (the folders: ``_validate_data_path``)."""
-    if d.cpu_decode_share and (d.kind != "webdataset" or d.decode == "cpu"):
+    if d.cpu_decode_share and (d.kind not in ("webdataset", "imagefolder") or d.decode == "cpu"
+                               or d.resolution == "native"
+                               or (d.kind == "imagefolder" and d.preload)):
         err("data.cpu_decode_share", d.cpu_decode_share,
-            f"splits the decoding of data.decode=cuda shards (data.kind={d.kind}, "
-            f"data.decode={d.decode})")
+            "splits the device decoding of fixed-resolution shards or an ImageFolder read as "
+            f"drawn (data.kind={d.kind}, data.decode={d.decode}, data.preload={d.preload}, "
+            f"data.resolution={d.resolution})")
     if d.caption_dropout and d.kind != "shapes":
         err("data.caption_dropout", d.caption_dropout,
             f"only the shapes data has size and colour words to drop (data.kind={d.kind})")

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from vitgraph.data.dataset import DataError, ImageDataset
-from vitgraph.data.decode import EncodedImages, for_device, load_image, read_size, resolve_decode
+from vitgraph.data.decode import (EncodedImages, decode_full, for_device, load_image, read_size,
+                                  resolve_decode)
 from vitgraph.data.native import FileImages, NativeDataset, read_sizes, spread
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -83,33 +84,36 @@ class LazyImages:
     to hold decoded in memory (ImageNet at 224 is ~190 GB as uint8). ``decode="cpu"``: the
     threads decode and resize (PIL); ``"cuda"``: they read the files and check each header,
     and the batch goes to the device still encoded (``EncodedImages``; other formats than
-    JPEG are decoded here at full size). An unreadable file is found when first drawn,
-    named in the log and replaced by the next readable image of its class.
+    JPEG are decoded here at full size), but for the last ``cpu_share`` of each batch, which
+    the threads decode at full size (``data.cpu_decode_share``). An unreadable file is found
+    when first drawn, named in the log and replaced by the next readable image of its class.
     """
 
     dtype = torch.uint8
     ndim = 4
 
     def __init__(self, paths: list[str], size: int, workers: int = 1,
-                 labels: list[int] | None = None, decode: str = "cpu"):
-        self.paths, self.size, self.decode = paths, size, decode
+                 labels: list[int] | None = None, decode: str = "cpu", cpu_share: float = 0.0):
+        self.paths, self.size, self.decode, self.cpu_share = paths, size, decode, cpu_share
         self.labels = labels if labels is not None else [0] * len(paths)
         self.shape = (len(paths), size, size, 3)
         self.unreadable: dict[int, str] = {}  # index -> error, as found
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="vitgraph-decode")
 
-    def _read(self, j: int):
+    def _read(self, j: int, full: bool):
         if self.decode == "cuda":
             try:
                 with open(self.paths[j], "rb") as f:
                     data = f.read()
             except OSError as e:
                 raise DataError(f"cannot read image {self.paths[j]}: {e}") from None
+            if full:
+                return torch.from_numpy(decode_full(data, self.size, self.paths[j]))
             return for_device(data, self.size, self.paths[j])
         return load_image(self.paths[j], self.size)
 
-    def _load(self, i: int) -> tuple:
+    def _load(self, i: int, full: bool = False) -> tuple:
         """(image ``i``, its path), or when it cannot be read the next readable image of the
         same class (deterministic, so a resumed run draws the same batches; the label stays
         right)."""
@@ -119,7 +123,7 @@ class LazyImages:
             if self.labels[j] != self.labels[i] or j in self.unreadable:
                 continue
             try:
-                return self._read(j), self.paths[j]
+                return self._read(j, full), self.paths[j]
             except DataError as e:
                 with self._lock:
                     if j not in self.unreadable:
@@ -138,9 +142,13 @@ class LazyImages:
             idx = range(*index.indices(len(self.paths)))
         else:
             idx = torch.as_tensor(index).reshape(-1).tolist()
-        loaded = list(self._pool.map(self._load, idx))
         if self.decode == "cuda":
+            # the last share of the batch decoded here, the rest left to nvJPEG
+            n_cpu = round(self.cpu_share * len(idx))
+            full = [False] * (len(idx) - n_cpu) + [True] * n_cpu
+            loaded = list(self._pool.map(self._load, idx, full))
             return EncodedImages([im for im, _ in loaded], self.size, [p for _, p in loaded])
+        loaded = list(self._pool.map(self._load, idx))
         if not loaded:
             return torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
         return torch.from_numpy(np.stack([im for im, _ in loaded]))
@@ -161,11 +169,12 @@ def _load_all(paths: list[str], size: int, workers: int) -> tuple[list, dict[int
 
 
 def read_split(root: str, split: str, classes: list[str], render_size: int,
-               workers: int = 1, preload: bool = True, decode: str = "cpu") -> ImageDataset:
+               workers: int = 1, preload: bool = True, decode: str = "cpu",
+               cpu_share: float = 0.0) -> ImageDataset:
     split_dir = os.path.join(root, split)
     paths, labels = list_files(split_dir, classes)
     if not preload:
-        images = LazyImages(paths, render_size, workers, labels, decode)
+        images = LazyImages(paths, render_size, workers, labels, decode, cpu_share)
         return ImageDataset(images, torch.tensor(labels, dtype=torch.int64),  # type: ignore[arg-type]
                             list(classes), None)
     images, bad = _load_all(paths, render_size, workers)
@@ -187,7 +196,8 @@ def build_imagefolder(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
     classes = list_classes(os.path.join(root, "train"))
     preload = getattr(data_cfg, "preload", True)
     decode = imagefolder_decode(data_cfg)
-    args = (classes, data_cfg.render_size, data_cfg.workers, preload, decode)
+    args = (classes, data_cfg.render_size, data_cfg.workers, preload, decode,
+            getattr(data_cfg, "cpu_decode_share", 0.0))
     return read_split(root, "train", *args), read_split(root, "val", *args)
 
 
