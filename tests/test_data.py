@@ -350,6 +350,28 @@ def test_imagefolder_cuda_decode_hands_jpegs_over_encoded_and_decodes_the_rest_h
     assert torch.equal(finish_on_device(shared, "cpu", decoder=_pil_decoder), got)
 
 
+def test_a_steps_microbatches_are_finished_in_one_batch(folder):
+    """finish_step_on_device (the prefetcher's staging): every microbatch's EncodedImages of a
+    step decoded and resized in one call, each microbatch's images the ones finish_on_device
+    gives it alone; the other fields untouched."""
+    from vitgraph.data.decode import finish_on_device, finish_step_on_device
+    for i in range(5):
+        _write(folder / "train" / "dog" / f"x{i:02d}.jpg", (10, 12), (i * 40, 7, 9), "JPEG")
+    enc = _cuda_decode_folder(folder)
+    calls = []
+
+    def decoder(data):
+        calls.append(len(data))
+        return _pil_decoder(data)
+    step = [(enc.images[torch.tensor(idx)], enc.labels[torch.tensor(idx)])
+            for idx in ([0, 1, 2], [3, 4, 5, 6], [7])]
+    got = finish_step_on_device(step, "cpu", decoder)
+    assert calls == [7]  # the step's JPEGs (a.png is decoded by the reader) in one batch
+    for (images, labels), (out, same) in zip(step, got):
+        assert same is labels
+        assert torch.equal(out, finish_on_device(images, "cpu", decoder=_pil_decoder))
+
+
 def test_imagefolder_cuda_decode_skips_unreadable_files_and_survives_a_damaged_jpeg(folder, caplog):
     """A file whose header is no image is found in the loader's threads and replaced by the
     next readable image of its class, as on the CPU path; a JPEG whose header reads but whose

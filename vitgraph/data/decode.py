@@ -4,7 +4,8 @@ CPU: ``load_image`` / ``decode_image`` give uint8 [s, s, 3] (shorter side resize
 center-cropped), ``decode_full`` the image at full size (JPEGs through simplejpeg, without the
 GIL, where it is installed). Device (``data.decode=cuda``): a reader hands over an
 ``EncodedImages`` microbatch (JPEG bytes, plus any image it had to decode itself at full size)
-and ``finish_on_device`` decodes the JPEGs in one nvJPEG batch and resizes every image there.
+and ``finish_on_device`` decodes the JPEGs in one nvJPEG batch and resizes every image there
+(the prefetcher hands it a whole step's microbatches at once: ``finish_step_on_device``).
 At native resolution (vitgraph.data.native) the same pieces decode each image at its own
 planned size: ``decode_native`` on the CPU, ``EncodedPack`` / ``finish_pack_on_device`` on the
 device; ``read_size`` gives an image's size from its header before anything is decoded.
@@ -276,6 +277,25 @@ def finish_on_device(batch: EncodedImages, device, decoder=None) -> torch.Tensor
         else:
             out[torch.tensor(idx, device=out.device)] = crop
     return out
+
+
+def finish_step_on_device(batches: list[tuple], device, decoder=None) -> list[tuple]:
+    """A step's microbatches with every ``EncodedImages`` field finished on ``device`` in one
+    ``finish_on_device`` call (one nvJPEG batch for the step, the resize batched over it), the
+    other fields as they are. torchvision waits for nvJPEG after each batch, and that wait is
+    where the training thread spends most of an ImageFolder step (benchmarks/BENCHMARKS.md,
+    "The DeiT augmentation inside the step"): a step's images in one batch wait once."""
+    encoded = [f for mb in batches for f in mb if isinstance(f, EncodedImages)]
+    if not encoded:
+        return batches
+    if len({e.size for e in encoded}) > 1:  # not made by one loader: each on its own
+        return [tuple(finish_on_device(f, device, decoder) if isinstance(f, EncodedImages)
+                      else f for f in mb) for mb in batches]
+    whole = EncodedImages([d for e in encoded for d in e.data], encoded[0].size,
+                          [e._name(i) for e in encoded for i in range(len(e))])
+    parts = iter(finish_on_device(whole, device, decoder).split([len(e) for e in encoded]))
+    return [tuple(next(parts) if isinstance(f, EncodedImages) else f for f in mb)
+            for mb in batches]
 
 
 # ---------------------------------------------------------------- native resolution

@@ -26,8 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from vitgraph.data.decode import (EncodedImages, EncodedPack, finish_on_device,
-                                  finish_pack_on_device)
+from vitgraph.data.decode import EncodedPack, finish_pack_on_device, finish_step_on_device
 from vitgraph.data.loader import MicrobatchLoader
 
 
@@ -73,14 +72,13 @@ class Prefetcher:
         if not self.cuda:
             return batches, (state, counts), None
         with torch.cuda.stream(self.stream):
+            batches = finish_step_on_device(batches, self.device)
             batches = [tuple(self._to_device(f) for f in mb) for mb in batches]
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return batches, (state, counts), ready
 
     def _to_device(self, field):
-        if isinstance(field, EncodedImages):
-            return finish_on_device(field, self.device)
         if isinstance(field, EncodedPack):  # a native-resolution pack's patches (nvJPEG)
             return finish_pack_on_device(field, self.device)
         if torch.is_tensor(field) and field.device.type == "cpu":
