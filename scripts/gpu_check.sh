@@ -3,7 +3,7 @@
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
 #   usage: scripts/gpu_check.sh [tests|tests-a|tests-b|tests-c|configs|plan|train|graphs-train|
 #          multi|resume-optim|fp8-curve|data|clip|profile|loop-rate|bench|native|vlm|l16-mb8|
-#          configs-bench ...]   (default: tests train)
+#          configs-bench|augment ...]   (default: tests train)
 #   tests: `pytest -m gpu tests/gpu` (more than one 10-minute call: on one H100 the files of
 #   tests-a took 386 s); tests-a / -b / -c: its parts (the VLM's tests in c).
 #   native (1 GPU): the native-resolution rows of record (docs/native.md), one bench process and
@@ -17,6 +17,8 @@
 #   reduce-overhead in one process.
 #   configs-bench (1 GPU): bench.py --configs, every bundled GPU config as shipped (or those of
 #   $BENCH_CONFIGS) on JPEGs made here.
+#   augment (1 GPU): ViT-B/16 mb 128 x 2 step graphs, the shipped augmentation off and on, each
+#   on synthetic input and from the JPEG ImageFolder configs-bench makes, with kernel tables.
 #   configs (1 GPU): every GPU config's header smoke line (scripts/smoke_configs.py); fails unless
 #   each one's loss falls and its held-out top-1 reaches the figure its header asks for.
 #   plan (1 GPU): every GPU config for a few steps against `vitgraph plan` (scripts/plan_check.py);
@@ -227,12 +229,27 @@ for s in "${steps[@]}"; do
       # of it; $BENCH_CONFIGS: some of them (default all)
       f=/tmp/cfg_folder; sh=/tmp/cfg_shards
       if [ ! -d $sh ]; then
-        python scripts/shapes_imagefolder.py $f --num-train 8192 --num-val 512 --format jpg \
-          --size 500x375 --noise 40 --no-cache > "$out/configs_data.log" 2>&1
+        [ -d $f ] || python scripts/shapes_imagefolder.py $f --num-train 8192 --num-val 512 \
+          --format jpg --size 500x375 --noise 40 --no-cache > "$out/configs_data.log" 2>&1
         python scripts/make_shards.py $f $sh --shard-size 512 --captions >> "$out/configs_data.log" 2>&1
+        sync  # the first rows read the files while they were written back to disk otherwise
       fi
       timeout -s INT 560 python scripts/bench.py --configs ${BENCH_CONFIGS:-all} --imagefolder $f \
         --shards $sh --out "$out/configs.json" 2>&1 | tee "$out/configs.log" | tail -30 ;;
+    augment)
+      f=/tmp/cfg_folder
+      if [ ! -d $f ]; then
+        python scripts/shapes_imagefolder.py $f --num-train 8192 --num-val 512 --format jpg \
+          --size 500x375 --noise 40 --no-cache > "$out/augment_data.log" 2>&1
+        sync
+      fi
+      a=(--model vit_b16_224 --micro-batches 128 --microbatches 2 --systems vitgraph+step-graphs
+         --data $f --warmup 6 --iters 6 --kernels 3)
+      timeout 150 python scripts/bench.py "${a[@]}" --out "$out/augment-off.json" 2>&1 \
+        | tee "$out/augment-off.log" | grep -E "img/s|input rate"
+      timeout 180 python scripts/bench.py "${a[@]}" --override data.augment.enabled=true \
+        train.label_smoothing=0.1 --out "$out/augment-on.json" 2>&1 | tee "$out/augment-on.log" \
+        | grep -E "img/s|input rate" ;;
     bench) timeout 470 python scripts/bench.py --warmup 6 --iters 8 --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -30 ;;
   esac
 done

@@ -151,8 +151,10 @@ class Trainer:
                         "queues slow training from shards (H200, ViT-B/16: 0.86x the synthetic "
                         "rate with 8, 0.95x with 32); unset it for vitgraph's %d",
                         queues, HARDWARE_QUEUES)
-        log.info("augmentation: %s", augment_line(plan.data.augment,
-                                                  plan.task == "classification"))
+        log.info("augmentation: %s%s", augment_line(plan.data.augment,
+                                                    plan.task == "classification"),
+                 ", on the GPU compiled by torch.compile at its first call"
+                 if d.cuda and plan.data.augment.enabled else "")
         # the data, this rank's loader and the run's length
         t0 = time.time()
         self.num_microbatches = plan.num_microbatches
