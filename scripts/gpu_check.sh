@@ -43,6 +43,15 @@ out=${OUT:-gpu-logs}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests train)
 nvidia-smi -L | tee "$out/gpu.txt"
+# photos DIR LOG: 8,192 photo-like 500x375 JPEGs (+ 512 held out) in DIR unless it is there,
+# written back to disk before any row reads them (a row reading them during the writeback ran
+# slow)
+photos() {
+  [ -d "$1" ] && return
+  python scripts/shapes_imagefolder.py "$1" --num-train 8192 --num-val 512 --format jpg \
+    --size 500x375 --noise 40 --no-cache >> "$2" 2>&1
+  sync
+}
 b16=(configs/vit-b16-imagefolder.yaml data.kind=shapes data.render_size=32 data.num_train=20000
      data.workers=8 train.steps=200 train.global_batch_size=256 train.micro_batch_size=64
      train.log_every=20 train.eval_every=100 optim.warmup_steps=20 optim.lr=5e-4 train.progress=false)
@@ -156,8 +165,7 @@ for s in "${steps[@]}"; do
       # within 5%. bench_data.py reads the same shards first.
       sh=/tmp/shards_b16
       if [ ! -d $sh ]; then
-        python scripts/shapes_imagefolder.py /tmp/sf_b16 --num-train 8192 --num-val 512 --format jpg \
-          --size 500x375 --noise 40 --no-cache > "$out/shards_make.log" 2>&1
+        photos /tmp/sf_b16 "$out/shards_make.log"
         python scripts/make_shards.py /tmp/sf_b16 $sh --shard-size 512 >> "$out/shards_make.log" 2>&1
       fi
       timeout 120 python3 scripts/bench_data.py --shards $sh --out "$out/bench_data.json" 2>&1 | tee "$out/bench_data.log" | tail -4
@@ -229,20 +237,14 @@ for s in "${steps[@]}"; do
       # of it; $BENCH_CONFIGS: some of them (default all)
       f=/tmp/cfg_folder; sh=/tmp/cfg_shards
       if [ ! -d $sh ]; then
-        [ -d $f ] || python scripts/shapes_imagefolder.py $f --num-train 8192 --num-val 512 \
-          --format jpg --size 500x375 --noise 40 --no-cache > "$out/configs_data.log" 2>&1
+        photos $f "$out/configs_data.log"
         python scripts/make_shards.py $f $sh --shard-size 512 --captions >> "$out/configs_data.log" 2>&1
-        sync  # the first rows read the files while they were written back to disk otherwise
+        sync
       fi
       timeout -s INT 560 python scripts/bench.py --configs ${BENCH_CONFIGS:-all} --imagefolder $f \
         --shards $sh --out "$out/configs.json" 2>&1 | tee "$out/configs.log" | tail -30 ;;
     augment)
-      f=/tmp/cfg_folder
-      if [ ! -d $f ]; then
-        python scripts/shapes_imagefolder.py $f --num-train 8192 --num-val 512 --format jpg \
-          --size 500x375 --noise 40 --no-cache > "$out/augment_data.log" 2>&1
-        sync
-      fi
+      f=/tmp/cfg_folder; photos $f "$out/augment_data.log"
       a=(--model vit_b16_224 --micro-batches 128 --microbatches 2 --systems vitgraph+step-graphs
          --data $f --warmup 6 --iters 6 --kernels 3)
       timeout 150 python scripts/bench.py "${a[@]}" --out "$out/augment-off.json" 2>&1 \

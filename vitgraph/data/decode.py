@@ -288,9 +288,7 @@ def finish_step_on_device(batches: list[tuple], device, decoder=None) -> list[tu
     encoded = [f for mb in batches for f in mb if isinstance(f, EncodedImages)]
     if not encoded:
         return batches
-    if len({e.size for e in encoded}) > 1:  # not made by one loader: each on its own
-        return [tuple(finish_on_device(f, device, decoder) if isinstance(f, EncodedImages)
-                      else f for f in mb) for mb in batches]
+    assert len({e.size for e in encoded}) == 1, "one loader makes a step: one render size"
     whole = EncodedImages([d for e in encoded for d in e.data], encoded[0].size,
                           [e._name(i) for e in encoded for i in range(len(e))])
     parts = iter(finish_on_device(whole, device, decoder).split([len(e) for e in encoded]))
