@@ -284,7 +284,8 @@ def finish_step_on_device(batches: list[tuple], device, decoder=None) -> list[tu
     ``finish_on_device`` call (one nvJPEG batch for the step, the resize batched over it), the
     other fields as they are. torchvision waits for nvJPEG after each batch, and that wait is
     where the training thread spends most of an ImageFolder step (benchmarks/BENCHMARKS.md,
-    "The DeiT augmentation inside the step"): a step's images in one batch wait once."""
+    "The DeiT augmentation inside the step"): a step's images in one batch wait once (on an
+    H100 no faster than a batch a microbatch: the decoder's throughput is the bound)."""
     encoded = [f for mb in batches for f in mb if isinstance(f, EncodedImages)]
     if not encoded:
         return batches
