@@ -166,20 +166,22 @@ def test_fused_norm_layer_computes_what_megatrons_layer_does(dist1, dropout):
 
 
 def test_fused_norm_layer_hands_the_stream_on_unsummed(dist1):
-    """Between layers the stream travels as (sum so far, (last MLP output, its bias)) in
-    megatron's (hidden, context) pair; the last layer of the block returns the sum and None."""
+    """Between layers the stream travels as (sum so far, (last MLP output, its bias, its
+    stochastic-depth factor or None)) in megatron's (hidden, context) pair; the last layer of
+    the block returns the sum and None."""
     fused, _ = build(dist1, "model.num_layers=2", "model.fused_norm=always")
     first, last = fused.decoder.layers
     x = torch.randn(65, 2, first.config.hidden_size)
     with torch.no_grad():
         residual, pending = first(hidden_states=x)
-        mlp_out, fc2_bias = pending
+        mlp_out, fc2_bias, keep = pending
+        assert keep is None
         assert mlp_out.shape == x.shape
         torch.testing.assert_close(fc2_bias, first.mlp.linear_fc2.bias)
         out, context = last(hidden_states=residual, context=pending)
         assert context is None
         last.closes_stream = False
-        s, (o, b) = last(hidden_states=residual, context=pending)
+        s, (o, b, _) = last(hidden_states=residual, context=pending)
         torch.testing.assert_close(out, (o + b) + s)
 
 

@@ -858,7 +858,7 @@ def _validate_recompute(cfg: Config, graphs: bool, err) -> None:
     t, m = cfg.train, cfg.model
     if t.recompute == "full" and m.fused_norm == "always":
         # megatron's block checkpoint hands tensors between its units; the fused layer passes
-        # the unsummed residual stream on as a (tensor, tensor) pair
+        # the unsummed residual stream on as a tuple (output, bias, drop-path factor)
         err("model.fused_norm", "always", "not with train.recompute=full (use auto or never)")
     if not graphs:
         return

@@ -108,27 +108,33 @@ def test_fused_bias_activation_equals_torch(act_name, dtype):
 def test_fused_add_layer_norm_equals_torch(dtype):
     """The Triton residual add + LayerNorm (outputs; gradients of both inputs, the norm's
     parameters and the added bias) against torch in fp32 from the same inputs, on shapes that
-    fill no block evenly, with and without a bias and a gradient reaching the sum."""
+    fill no block evenly, with and without a bias, a gradient reaching the sum and a
+    stochastic-depth factor per sample; and the plain add with the factor."""
     import torch.nn.functional as F
     from vitgraph.models import fused_norm
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*shape, scale=1.0):
         return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype)
-    for shape, with_bias, with_dsum in [((197, 3, 1000), True, True), ((50, 8, 768), False, True),
-                                        ((7, 130), True, False)]:
+    for shape, with_bias, with_dsum, with_keep in [
+            ((197, 3, 1000), True, True, False), ((50, 8, 768), False, True, False),
+            ((7, 130), True, False, False), ((197, 3, 1000), True, True, True),
+            ((50, 8, 768), False, True, True)]:
         n = shape[-1]
+        # a sample's factor: dropped (0) or kept and scaled (1 / (1 - p)), as specs._DropPath
+        keep = (torch.arange(shape[1], device="cuda") % 3 != 0).to(dtype).mul_(1.25).view(
+            1, shape[1], 1) if with_keep else None
         x, r = rand(*shape, scale=3.0).requires_grad_(), rand(*shape).requires_grad_()
         bias = rand(n).requires_grad_() if with_bias else None
         w, b = (rand(n, scale=0.1) + 1).requires_grad_(), rand(n, scale=0.1).requires_grad_()
-        s, y = fused_norm.add_layer_norm(x, r, bias, w, b, 1e-6)
+        s, y = fused_norm.add_layer_norm(x, r, bias, w, b, 1e-6, keep=keep)
         assert "AddLayerNorm" in type(y.grad_fn).__name__
         dy, ds = rand(*shape), rand(*shape) if with_dsum else None
         torch.autograd.backward([y, s] if with_dsum else [y], [dy, ds] if with_dsum else [dy])
         leaves = [x, r, w, b] + ([bias] if with_bias else [])
         ref = [t.detach().float().requires_grad_() for t in leaves]
         xr, rr, wr, br = ref[:4]
-        sr = ((xr + ref[4]) if with_bias else xr) + rr
+        sr = ((xr + ref[4]) if with_bias else xr) * (1 if keep is None else keep.float()) + rr
         sr_rounded = sr.to(dtype).float()  # the kernel normalises the sum as stored
         yr = F.layer_norm(sr + (sr_rounded - sr).detach(), (n,), wr, br, 1e-6)
         torch.autograd.backward([yr, sr] if with_dsum else [yr],
@@ -137,6 +143,19 @@ def test_fused_add_layer_norm_equals_torch(dtype):
         assert _rel(s, sr) < tol and _rel(y, yr) < tol
         for t, tr in zip(leaves, ref):
             assert _rel(t.grad, tr.grad) < tol, tuple(t.shape)
+        if keep is not None:  # the last layer's add, without a norm
+            xs, rs = (t.detach().clone().requires_grad_() for t in (x, r))
+            bs = None if bias is None else bias.detach().clone().requires_grad_()
+            out = fused_norm.add(xs, rs, bs, keep=keep)
+            assert "Add" in type(out.grad_fn).__name__
+            out.backward(dy)
+            leaves = [xs, rs] + ([bs] if bs is not None else [])
+            ref = [t.detach().float().requires_grad_() for t in leaves]
+            outr = ((ref[0] + ref[2]) if bs is not None else ref[0]) * keep.float() + ref[1]
+            outr.backward(dy.float())
+            assert _rel(out, outr) < tol
+            for t, tr in zip(leaves, ref):
+                assert _rel(t.grad, tr.grad) < tol, tuple(t.shape)
 
 
 def test_fused_norm_layer_agrees_with_megatrons_te_layer(dist1):

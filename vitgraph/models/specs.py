@@ -238,13 +238,14 @@ class ResidualNormLayer(_DropPath, TransformerLayer):
     (vitgraph.models.fused_norm), which also sums the bias gradient of the projection before.
 
     The MLP's add belongs to the next layer's first norm, so between layers the residual
-    stream travels unsummed: a layer returns ``(s, (mlp_output, fc2_bias))`` as megatron's
-    ``(hidden_states, context)`` pair, which TransformerBlock hands to the next layer (a ViT
-    has no cross-attention context), and the next layer's kernel adds both and sums fc2's
-    bias gradient too. The last layer of a block (of a pipeline stage) returns the sum and
-    ``None``, so what leaves a block is what megatron's layer returns. Hidden dropout, when
+    stream travels unsummed: a layer returns ``(s, (mlp_output, fc2_bias, keep))`` as
+    megatron's ``(hidden_states, context)`` pair, which TransformerBlock hands to the next layer
+    (a ViT has no cross-attention context), and the next layer's kernel adds both and sums
+    fc2's bias gradient too. The last layer of a block (of a pipeline stage) returns the sum
+    and ``None``, so what leaves a block is what megatron's layer returns. Hidden dropout, when
     set, drops ``x + bias`` before the add, as megatron's bias-dropout-add; stochastic depth
-    (``drop_path_rate``, as DropPathLayer) then scales it by the sample's keep factor.
+    (``drop_path_rate``, as DropPathLayer) then scales it by the sample's keep factor, inside
+    the add's kernel (``keep``: None at a rate of 0 or in eval).
     """
 
     def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
@@ -262,11 +263,14 @@ class ResidualNormLayer(_DropPath, TransformerLayer):
         self.closes_stream = layer_number == built
 
     def _dropped(self, x: torch.Tensor, bias, keep=None):
+        """The branch ``(x, bias)`` after hidden dropout, and its stochastic-depth factor
+        (``keep``) for the add that takes it: the factor is applied there, inside the fused
+        kernels, unless dropout ran first (then here)."""
         if self.hidden_dropout and self.training:
             x, bias = F.dropout(x if bias is None else x + bias, self.hidden_dropout), None
-        if keep is not None:
-            x, bias = (x if bias is None else x + bias) * keep, None
-        return x, bias
+            if keep is not None:
+                x, keep = x * keep, None
+        return x, bias, keep
 
     def forward(self, hidden_states, attention_mask=None, context=None, **kwargs):
         attn_norm, mlp_norm = self.norms
@@ -277,26 +281,26 @@ class ResidualNormLayer(_DropPath, TransformerLayer):
             normed = layer_norm(residual, attn_norm.layer_norm_weight, attn_norm.layer_norm_bias,
                                 eps)
         else:
-            out, bias = context
+            out, bias, scale = context
             residual, normed = add_layer_norm(out, hidden_states, bias,
                                               attn_norm.layer_norm_weight,
-                                              attn_norm.layer_norm_bias, eps)
+                                              attn_norm.layer_norm_bias, eps, keep=scale)
         out, bias = self.self_attention(
             normed, attention_mask=attention_mask,
             **{k: kwargs[k] for k in _ATTENTION_KWARGS if k in kwargs})
-        out, bias = self._dropped(out, bias, None if keep is None else keep[0])
+        out, bias, scale = self._dropped(out, bias, None if keep is None else keep[0])
         residual, normed = add_layer_norm(out, residual, bias, mlp_norm.layer_norm_weight,
-                                          mlp_norm.layer_norm_bias, eps)
+                                          mlp_norm.layer_norm_bias, eps, keep=scale)
         # train.recompute=selective with mlp: megatron's TransformerLayer checkpoints its MLP
         # in the forward this class replaces, so it is done here the same way
         mlp = self.mlp(normed) if not self.recompute_mlp else \
             tensor_parallel.checkpoint(self.mlp, False, normed)
-        out, bias = self._dropped(*mlp, None if keep is None else keep[1])
+        out, bias, scale = self._dropped(*mlp, None if keep is None else keep[1])
         if self.closes_stream:
-            return add(out, residual, bias), None
+            return add(out, residual, bias, keep=scale), None
         # the bias as a tensor of this layer's making: a layer's CUDA graph outputs its own
-        # buffers, not a parameter
-        return residual, (out, None if bias is None else bias.clone())
+        # buffers, not a parameter; the factor travels with the branch to the next layer's add
+        return residual, (out, None if bias is None else bias.clone(), scale)
 
 
 class SDPAttention(MegatronModule):
