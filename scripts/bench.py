@@ -47,7 +47,9 @@ shards), each the first steps of its shipped schedule (a quarter of its warm-up,
 or ``--window-s`` seconds; then SIGTERM), against vitgraph's best bench row at its micro-batch
 in this run (``bench_config``, ``run_configs``): rows with ``config``, ``images_per_s``,
 ``best_images_per_s``, ``graphs`` (what auto chose), ``steps``, ``lr_share_of_peak``, the
-window's ``losses`` and ``loss_fell`` (the last third's mean 2% under the first third's).
+window's ``losses`` and ``loss_fell`` (the last third's mean 2% under the first third's), and
+``window_samples`` against ``warmup_samples`` (the warm-up at the config's own global batch:
+a window of one GPU's batch sees a small share of it).
 
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
@@ -1084,9 +1086,13 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     third = max(1, len(losses) // 3)
     fell = bool(losses) and sum(losses[-third:]) / third < 0.98 * sum(losses[:third]) / third
     share = min(1.0, reached / warmup) if warmup else 1.0
+    # the recipe warms up over warmup x its own global batch samples (images; packs at native
+    # resolution): how much of that the window saw says whether its loss could fall yet
+    batch, shipped_batch = microbatches * cfg.train.micro_batch_size, cfg.train.global_batch_size
+    seen, warmup_seen = reached * batch, warmup * shipped_batch
     row = {"config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
            "model": cfg.model.name, "micro_batch": cfg.train.micro_batch_size,
-           "global_batch": microbatches * cfg.train.micro_batch_size,
+           "global_batch": batch, "shipped_global_batch": shipped_batch,
            "input": "the config's" if not data else
                     "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "shards",
            "overrides": over, "exit": proc.returncode,
@@ -1096,8 +1102,12 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
            "images_per_s": len(windows) / sum(1 / r["images_per_s"] for r in windows) if windows else None,
            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
            "losses": losses, "loss_fell": fell,
-           "window": f"steps 1-{reached} of the shipped schedule: the warm-up ({warmup} steps) "
-                     f"took the learning rate to {share:.1%} of its peak"}
+           "window_samples": seen, "warmup_samples": warmup_seen,
+           "window": f"steps 1-{reached} of the shipped schedule at a global batch of {batch}: "
+                     f"the warm-up ({warmup} steps) took the learning rate to {share:.1%} of its "
+                     f"peak; {seen:,} samples, {seen / warmup_seen if warmup_seen else 1:.1%} "
+                     f"of the {warmup_seen:,} the recipe warms up over at its batch of "
+                     f"{shipped_batch}"}
     if proc.returncode not in (0, PREEMPTED_EXIT):
         row["error"] = out[-800:]
     return row
@@ -1185,7 +1195,9 @@ def run_configs(args) -> int:
               f"{row['best_images_per_s'] or float('nan'):8.1f} -> {row.get('ratio', float('nan')):.3f}x; "
               f"{row.get('steps')} steps (lr {100 * (row.get('lr_share_of_peak') or 0):.1f}% of its "
               f"peak), loss {row.get('loss_first') or float('nan'):.4f} -> "
-              f"{row.get('loss_last') or float('nan'):.4f} ({'fell' if row.get('loss_fell') else 'did not fall'})"
+              f"{row.get('loss_last') or float('nan'):.4f} ({'fell' if row.get('loss_fell') else 'did not fall'}; "
+              f"{row.get('window_samples') or 0:,} samples, the recipe warms up over "
+              f"{row.get('warmup_samples') or 0:,})"
               + (f"  ERROR {row['error'][-300:]}" if row.get("error") else ""), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))

@@ -70,6 +70,7 @@ def test_a_config_as_shipped_runs_its_window_of_the_shipped_schedule(tmp_path):
     assert row["exit"] == 75 and "error" not in row, row
     assert 10 <= row["steps"] < 20 and row["warmup_steps"] == 225  # 0.05 x 4500 steps
     assert row["lr_share_of_peak"] == row["steps"] / 225
+    assert row["window_samples"] == 32 * row["steps"] and row["warmup_samples"] == 225 * 32
     assert "optim.warmup_steps=225" in row["overrides"] and row["images_per_s"] > 0
     losses = row["losses"]
     third = max(1, len(losses) // 3)
