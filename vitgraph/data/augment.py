@@ -491,13 +491,13 @@ def _colour(name: str, x: torch.Tensor, m: torch.Tensor, sign: torch.Tensor) -> 
     if name == "contrast":
         return _blend(x, _gray(x).mean((2, 3), keepdim=True).expand_as(x), factor)
     if name == "sharpness":
-        # fills (a number stored by indexing is a host copy: not capturable)
-        k = torch.ones(3, 3, dtype=x.dtype, device=x.device)
-        k[1, 1].fill_(5)
-        k = k / 13
-        smooth = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"),
-                          k.expand(3, 1, 3, 3).contiguous(), groups=3)
-        return _blend(x, smooth, factor)
+        # PIL's smoothing kernel (1 around, 5 at the centre, / 13) as a sum of shifted views of
+        # the edge-padded images: pointwise, so the compiled augmentation fuses it (as a
+        # depthwise conv it stayed a kernel of its own, 0.38 ms a microbatch of 128 at 224)
+        h, w = x.shape[-2:]
+        p = F.pad(x, (1, 1, 1, 1), mode="replicate")
+        around = sum(p[..., i:i + h, j:j + w] for i in range(3) for j in range(3))
+        return _blend(x, (around + 4 * x) / 13, factor)
     if name == "posterize":
         bits = 8 - (4 * m).floor()  # keep 8 .. 4 bits
         step = 2 ** (8 - bits)
