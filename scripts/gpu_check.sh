@@ -4,8 +4,9 @@
 #   usage: scripts/gpu_check.sh [tests|tests-a|tests-b|tests-c|configs|plan|train|graphs-train|
 #          multi|resume-optim|fp8-curve|data|clip|profile|loop-rate|bench|native|vlm|l16-mb8|
 #          configs-bench|augment ...]   (default: tests train)
-#   tests: `pytest -m gpu tests/gpu` (more than one 10-minute call: on one H100 the files of
-#   tests-a took 386 s); tests-a / -b / -c: its parts (the VLM's tests in c).
+#   tests: `pytest -m gpu tests/gpu` (more than one 10-minute call: on one H100 pytest took
+#   359 s for tests-a, 435 s for tests-b, 83 s for tests-c); tests-a / -b / -c: its parts (the
+#   VLM's tests in c).
 #   native (1 GPU): the native-resolution rows of record (docs/native.md), one bench process and
 #   one JSON per model of $NATIVE_MODELS (default: all four; one model a 10-minute call): packed,
 #   padded and timm NaFlexViT + compile on the same stream at 256 / 576 / 1024 patches (and 729
