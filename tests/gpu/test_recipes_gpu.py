@@ -8,8 +8,10 @@ from test_train_gpu import make_trainer
 pytestmark = pytest.mark.gpu
 
 
+# fused_norm=always: the survivors' scale inside the Triton add + norm kernels, and under layer
+# graphs the MLP branch's factor handed to the next layer's graph in its context
 @pytest.mark.parametrize("scope, fused_norm", [("step", "never"), ("step", "always"),
-                                               ("layer", "never")])
+                                               ("layer", "never"), ("layer", "always")])
 def test_drop_path_in_graphs_equals_eager(tmp_path, scope, fused_norm):
     """model.drop_path_rate=0.1 over 4 layers: the masks are drawn on the device inside the
     captured step or layer (torch's default CUDA generator, registered with the graph) and
