@@ -49,7 +49,9 @@ in this run (``bench_config``, ``run_configs``): rows with ``config``, ``images_
 ``best_images_per_s``, ``graphs`` (what auto chose), ``steps``, ``lr_share_of_peak``, the
 window's ``losses`` and ``loss_fell`` (the last third's mean 2% under the first third's), and
 ``window_samples`` against ``warmup_samples`` (the warm-up at the config's own global batch:
-a window of one GPU's batch sees a small share of it).
+a window of one GPU's batch sees a small share of it); ``recipe_images_per_s``: the bench row
+with the config's recipe (drop path, EMA, label smoothing, clipping, augmentation) on synthetic
+input, between the best row and the as-shipped one.
 
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
@@ -1030,6 +1032,25 @@ def bundled_gpu_configs() -> list[Path]:
     return sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
 
 
+def _override_value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def recipe_overrides(cfg) -> list[str]:
+    """The training recipe of ``cfg`` as overrides of a bench row (which turns it off): the
+    layers' random masks (drop path, dropout), the EMA, label smoothing, gradient clipping and
+    the device augmentation, each key resolved. A bench row with them, on synthetic input, is
+    the config's step without its input pipeline."""
+    import dataclasses
+    from vitgraph.config import random_layer_keys
+    t, a = cfg.train, cfg.data.augment
+    over = [f"{k}={v}" for k, v in random_layer_keys(cfg).items()]
+    over += [f"train.ema.decay={_override_value(t.ema.decay)}",
+             f"train.label_smoothing={t.label_smoothing}", f"optim.clip_grad={cfg.optim.clip_grad}"]
+    return over + [f"data.augment.{f.name}={_override_value(getattr(a, f.name))}"
+                   for f in dataclasses.fields(a)]
+
+
 def shipped_window(path: Path, data: str | None, steps: int | None, microbatches: int,
                    run_dir: Path) -> tuple:
     """(config, overrides, window steps, warm-up steps, log interval) of ``bench_config``'s
@@ -1183,6 +1204,18 @@ def run_configs(args) -> int:
             gc.collect()
             torch.cuda.empty_cache()
         done = {k: v for k, v in best.items() if v}
+        # the config's recipe on synthetic input (step graphs, as auto picks on one GPU): what
+        # of the gap to the best row is the recipe's, what is the input pipeline's
+        try:
+            impl, scope = VITGRAPH_SYSTEMS["vitgraph+step-graphs"]
+            row["recipe_images_per_s"] = bench_vitgraph(
+                cfg.model.name, cfg.train.micro_batch_size, impl, "bf16", args.warmup,
+                args.iters, args.num_classes, k, recipe_overrides(cfg), scope)["images_per_s"]
+        except Exception:
+            traceback.print_exc()
+            row["recipe_images_per_s"] = None
+        gc.collect()
+        torch.cuda.empty_cache()
         row["bench_images_per_s"] = best
         row["best_system"] = max(done, key=done.get) if done else None
         row["best_images_per_s"] = max(done.values()) if done else None
@@ -1197,7 +1230,8 @@ def run_configs(args) -> int:
               f"peak), loss {row.get('loss_first') or float('nan'):.4f} -> "
               f"{row.get('loss_last') or float('nan'):.4f} ({'fell' if row.get('loss_fell') else 'did not fall'}; "
               f"{row.get('window_samples') or 0:,} samples, the recipe warms up over "
-              f"{row.get('warmup_samples') or 0:,})"
+              f"{row.get('warmup_samples') or 0:,}); its recipe on synthetic input "
+              f"{row.get('recipe_images_per_s') or float('nan'):8.1f} img/s"
               + (f"  ERROR {row['error'][-300:]}" if row.get("error") else ""), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))

@@ -96,6 +96,17 @@ def test_every_bundled_gpu_config_takes_its_as_shipped_overrides(tmp_path):
         run = load_config(path, over)
         assert run.train.steps >= 100 * steps and run.train.epochs is None, path
         assert run.optim.warmup_steps == warmup and steps == max(150, warmup // 4), path
+        # the recipe row: the bench's row (recipe off) given the config's recipe back
+        cfg = load_config(path, ["data.kind=shapes"])
+        row = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml", [
+            f"model.name={cfg.model.name}", "data.kind=shapes", "data.augment.enabled=false",
+            "train.label_smoothing=0", "optim.clip_grad=1.0", *bench.recipe_overrides(cfg)])
+        for part in ("data.augment", "model.drop_path_rate", "train.ema.decay",
+                     "train.label_smoothing", "optim.clip_grad"):
+            got, want = row, cfg
+            for name in part.split("."):
+                got, want = getattr(got, name), getattr(want, name)
+            assert got == want, (path, part)
 
 
 def test_vlm_rows_give_samples_real_tokens_and_the_towers_share(tmp_path, monkeypatch):
