@@ -1032,10 +1032,6 @@ def bundled_gpu_configs() -> list[Path]:
     return sorted(p for p in (ROOT / "configs").glob("*.yaml") if "tiny" not in p.name)
 
 
-def _override_value(v) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-
-
 def recipe_overrides(cfg) -> list[str]:
     """The training recipe of ``cfg`` as overrides of a bench row (which turns it off): the
     layers' random masks (drop path, dropout), the EMA, label smoothing, gradient clipping and
@@ -1043,11 +1039,12 @@ def recipe_overrides(cfg) -> list[str]:
     the config's step without its input pipeline."""
     import dataclasses
     from vitgraph.config import random_layer_keys
+    from vitgraph.config_keys import yaml_value
     t, a = cfg.train, cfg.data.augment
     over = [f"{k}={v}" for k, v in random_layer_keys(cfg).items()]
-    over += [f"train.ema.decay={_override_value(t.ema.decay)}",
+    over += [f"train.ema.decay={yaml_value(t.ema.decay)}",
              f"train.label_smoothing={t.label_smoothing}", f"optim.clip_grad={cfg.optim.clip_grad}"]
-    return over + [f"data.augment.{f.name}={_override_value(getattr(a, f.name))}"
+    return over + [f"data.augment.{f.name}={yaml_value(getattr(a, f.name))}"
                    for f in dataclasses.fields(a)]
 
 
@@ -1189,33 +1186,27 @@ def run_configs(args) -> int:
         except Exception as e:
             traceback.print_exc()
             row = {"config": str(path), "error": f"{type(e).__name__}: {e}"[:500]}
-        best = {}
+        rates = {}
         # eager is left out: at every bundled config's micro-batch it ran at 0.38-0.87x of the
-        # graphed paths (benchmarks/h200/*-paths.json)
-        for system in ("vitgraph+graphs", "vitgraph+step-graphs"):
+        # graphed paths (benchmarks/h200/*-paths.json). "recipe": the config's recipe on
+        # synthetic input (step graphs, as auto picks on one GPU): what of the gap to the best
+        # row is the recipe's, what is the input pipeline's
+        for name, system, over in (("vitgraph+graphs", "vitgraph+graphs", []),
+                                   ("vitgraph+step-graphs", "vitgraph+step-graphs", []),
+                                   ("recipe", "vitgraph+step-graphs", recipe_overrides(cfg))):
             impl, scope = VITGRAPH_SYSTEMS[system]
             try:
                 res = bench_vitgraph(cfg.model.name, cfg.train.micro_batch_size, impl, "bf16",
-                                     args.warmup, args.iters, args.num_classes, k, [], scope)
-                best[system] = res["images_per_s"]
+                                     args.warmup, args.iters, args.num_classes, k, over, scope)
+                rates[name] = res["images_per_s"]
             except Exception:
                 traceback.print_exc()
-                best[system] = None
+                rates[name] = None
             gc.collect()
             torch.cuda.empty_cache()
+        row["recipe_images_per_s"] = rates.pop("recipe")
+        best = rates
         done = {k: v for k, v in best.items() if v}
-        # the config's recipe on synthetic input (step graphs, as auto picks on one GPU): what
-        # of the gap to the best row is the recipe's, what is the input pipeline's
-        try:
-            impl, scope = VITGRAPH_SYSTEMS["vitgraph+step-graphs"]
-            row["recipe_images_per_s"] = bench_vitgraph(
-                cfg.model.name, cfg.train.micro_batch_size, impl, "bf16", args.warmup,
-                args.iters, args.num_classes, k, recipe_overrides(cfg), scope)["images_per_s"]
-        except Exception:
-            traceback.print_exc()
-            row["recipe_images_per_s"] = None
-        gc.collect()
-        torch.cuda.empty_cache()
         row["bench_images_per_s"] = best
         row["best_system"] = max(done, key=done.get) if done else None
         row["best_images_per_s"] = max(done.values()) if done else None

@@ -50,7 +50,7 @@ class Key:
             return None
         if self.choices is not None:
             if not any(type(value) is type(c) and value == c for c in self.choices):
-                return f"must be one of {', '.join(map(_show, self.choices))}" + _closest(
+                return f"must be one of {', '.join(map(yaml_value, self.choices))}" + _closest(
                     value, self.choices)
             return None
         low_ok = (self.min is None or value >= self.min) and \
@@ -97,8 +97,8 @@ def declared(f: dataclasses.Field) -> Key:
     return f.metadata.get(META) or Key()
 
 
-def _show(value: Any) -> str:
-    """A value as it is written in YAML."""
+def yaml_value(value: Any) -> str:
+    """A value as it is written in YAML (and in a key=value override)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     return "null" if value is None else str(value)
