@@ -138,6 +138,12 @@ class EncodedImages:
                              self.names + self.names[:1] * n)
 
 
+def cpu_decoded(share: float, n: int) -> int:
+    """How many of a batch's ``n`` images the loader's threads decode themselves (the last
+    ones) under ``data.cpu_decode_share`` = ``share``; nvJPEG takes the rest."""
+    return round(share * n)
+
+
 def for_device(data: bytes, size: int, where: str = "") -> torch.Tensor:
     """One image as ``EncodedImages`` holds it: a JPEG's bytes (nvJPEG decodes it on the
     device), anything else decoded here at full size (a file that is no image at all is a

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from vitgraph.data.dataset import DataError, ImageDataset
-from vitgraph.data.decode import (EncodedImages, decode_full, for_device, load_image, read_size,
-                                  resolve_decode)
+from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, for_device,
+                                  load_image, read_size, resolve_decode)
 from vitgraph.data.native import FileImages, NativeDataset, read_sizes, spread
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -144,7 +144,7 @@ class LazyImages:
             idx = torch.as_tensor(index).reshape(-1).tolist()
         if self.decode == "cuda":
             # the last share of the batch decoded here, the rest left to nvJPEG
-            n_cpu = round(self.cpu_share * len(idx))
+            n_cpu = cpu_decoded(self.cpu_share, len(idx))
             full = [False] * (len(idx) - n_cpu) + [True] * n_cpu
             loaded = list(self._pool.map(self._load, idx, full))
             return EncodedImages([im for im, _ in loaded], self.size, [p for _, p in loaded])

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from vitgraph.data.dataset import DataError, ImageDataset
-from vitgraph.data.decode import (EncodedImages, decode_full, decode_image, for_device,
-                                  read_size, resolve_decode)
+from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, decode_image,
+                                  for_device, read_size, resolve_decode)
 from vitgraph.data.native import NativeDataset, ShardMembers, read_sizes, spread
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -131,7 +131,7 @@ class ShardImages:
             idx = torch.as_tensor(index).reshape(-1).tolist()
         if self.decode == "cuda":
             # the last share of the batch decoded here, the rest left to nvJPEG
-            n_cpu = round(self.cpu_share * len(idx))
+            n_cpu = cpu_decoded(self.cpu_share, len(idx))
             first = len(idx) - n_cpu
             data = list(self._pool.map(self._load_raw, idx[first:])) if n_cpu else []
             jpegs = list(self._pool.map(self._load_encoded, idx[:first]))
