@@ -1037,7 +1037,6 @@ def recipe_overrides(cfg) -> list[str]:
     layers' random masks (drop path, dropout), the EMA, label smoothing, gradient clipping and
     the device augmentation, each key resolved. A bench row with them, on synthetic input, is
     the config's step without its input pipeline."""
-    import dataclasses
     from vitgraph.config import random_layer_keys
     from vitgraph.config_keys import yaml_value
     t, a = cfg.train, cfg.data.augment
