@@ -51,7 +51,10 @@ window's ``losses`` and ``loss_fell`` (the last third's mean 2% under the first 
 ``window_samples`` against ``warmup_samples`` (the warm-up at the config's own global batch:
 a window of one GPU's batch sees a small share of it); ``recipe_images_per_s``: the bench row
 with the config's recipe (drop path, EMA, label smoothing, clipping, augmentation) on synthetic
-input, between the best row and the as-shipped one.
+input, between the best row and the as-shipped one. A config at native resolution (the VLM's)
+is held against its own packs, on a stream of its data's image sizes and, for a caption
+config, its captions and language model (``config_bench_rows``); image-text configs (pairs
+and captions) read --shards.
 
 Precisions (--precisions): bf16, fp8-current, fp8-delayed (TE recipes for vitgraph). The timm
 peers other than timm+compile+float8 always run bf16 and are measured once per micro-batch.
@@ -657,12 +660,17 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     pixels = _Pixels(spec.patch_dim, seed)
     labels = torch.randint(0, num_classes, (len(grids),), generator=torch.Generator().manual_seed(seed))
     text = captions.ids(trainer.task.tokenizer, len(grids)) if captions else None
+    text_len = caption_lengths(text, trainer.task.tokenizer) if captions else None
     device = trainer.d.device
     if padded:  # this rank's share of each step's images, one microbatch of slots
         plan = [[b[rank * padded_images:(rank + 1) * padded_images]]
                 for b in batched_steps(grids, padded_images * dp)]
     else:
         plan = [s[rank * k:(rank + 1) * k] for s in packed_steps(grids, spec, k * dp)]
+    if not plan:
+        trainer.close(shutdown_dist=False)
+        raise ValueError(f"a stream of {len(grids)} images fills no step of {k * dp} packs of "
+                         f"{spec.max_images} images (--images)")
     batches, counts = [], []
     for step in plan:
         mbs = []
@@ -681,7 +689,7 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
         computed = len(step) * spec.tokens
         if text is not None:  # + each caption's tokens (BOS to EOS) and the LM pack's text
             # positions: its image positions are the tower's tokens, counted once either way
-            real += sum(captions.length(i) for idx in step for i in idx)
+            real += sum(text_len[i] for idx in step for i in idx)
             computed += len(step) * (trainer.task.text_pack.tokens - spec.tokens)
         counts.append((n_img * dp, real * dp, computed * dp))
     try:
@@ -723,6 +731,8 @@ class Captions(NamedTuple):
     text_length: int
     min_length: int
     seed: int = 0
+    # a data set's captions (cycled over the stream's images): their ids instead of random ones
+    texts: tuple[str, ...] = ()
 
     @property
     def overrides(self) -> list[str]:
@@ -736,6 +746,8 @@ class Captions(NamedTuple):
 
     def ids(self, tok, n: int) -> torch.Tensor:
         """int64 [n, text_length]: the first ``n`` images' captions in ``tok``'s special ids."""
+        if self.texts:
+            return tok([self.texts[i % len(self.texts)] for i in range(n)])
         special = {tok.sot_id, tok.eot_id, tok.pad_id}
         plain = next(i for i in range(tok.vocab_size) if i not in special)
         out = torch.full((n, self.text_length), tok.pad_id, dtype=torch.int64)
@@ -747,6 +759,11 @@ class Captions(NamedTuple):
                 body[body == sid] = plain
             out[i, 0], out[i, 1:k - 1], out[i, k - 1] = tok.sot_id, body, tok.eot_id
         return out
+
+
+def caption_lengths(ids: torch.Tensor, tok) -> list[int]:
+    """Each caption's tokens, BOS to EOS, of ids [n, text_length] (a cut caption keeps EOS)."""
+    return ((ids == tok.eot_id).int().argmax(1) + 1).tolist()
 
 
 def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, batch: int,
@@ -784,6 +801,7 @@ def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, b
     gen = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, num_classes, (len(grids),), generator=gen)
     text = captions.ids(trainer.task.tokenizer, len(grids)) if captions else None
+    text_len = caption_lengths(text, trainer.task.tokenizer) if captions else None
     device = trainer.d.device
     steps, counts = [], []
     for b in batched_steps(grids, batch * dp):
@@ -794,7 +812,7 @@ def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, b
         real = sum(grids[i][0] * grids[i][1] for i in b)
         computed = len(b) * (max_patches + int(cfg.model.class_token) + cfg.model.num_registers)
         if captions:
-            real += sum(captions.length(i) for i in b)
+            real += sum(text_len[i] for i in b)
             computed += len(b) * captions.text_length
         counts.append((len(b), real, computed))
     try:
@@ -830,7 +848,7 @@ def vlm_row(args, model: str, system: str, grids: list, max_patches: int) -> dic
     captions = Captions(args.lm_layers, args.lm_width, args.lm_heads, args.lm_tokenizer,
                         args.text_length, args.min_text, args.seed)
     res = bench_vlm(args, model, system, grids, max_patches, captions)
-    res["lm"] = {k: v for k, v in captions._asdict().items() if k != "seed"}
+    res["lm"] = {k: v for k, v in captions._asdict().items() if k not in ("seed", "texts")}
     if args.tower_share:
         gc.collect()
         if torch.cuda.is_available():
@@ -1039,12 +1057,75 @@ def recipe_overrides(cfg) -> list[str]:
     the config's step without its input pipeline."""
     from vitgraph.config import random_layer_keys
     from vitgraph.config_keys import yaml_value
-    t, a = cfg.train, cfg.data.augment
+    t = cfg.train
     over = [f"{k}={v}" for k, v in random_layer_keys(cfg).items()]
     over += [f"train.ema.decay={yaml_value(t.ema.decay)}",
              f"train.label_smoothing={t.label_smoothing}", f"optim.clip_grad={cfg.optim.clip_grad}"]
-    return over + [f"data.augment.{f.name}={yaml_value(getattr(a, f.name))}"
-                   for f in dataclasses.fields(a)]
+    return over + section_overrides(cfg.data.augment, "data.augment")
+
+
+def section_overrides(section, prefix: str) -> list[str]:
+    """Every key of a config section as ``prefix.key=value`` overrides."""
+    from vitgraph.config_keys import yaml_value
+    return [f"{prefix}.{f.name}={yaml_value(getattr(section, f.name))}"
+            for f in dataclasses.fields(section)]
+
+
+def config_stream(cfg, n: int, seed: int) -> tuple[list, tuple]:
+    """A native-resolution config's bench stream: ``n`` images drawn (seeded, with
+    replacement) from its data's training split, each at the grid it trains at, and their
+    captions (() where the data has none)."""
+    import numpy as np
+    from vitgraph.data import build_datasets
+    from vitgraph.data.packing import native_grid
+    from vitgraph.models.registry import resolve_arch
+    train, _ = build_datasets(cfg.data, cfg.train.seed, native=True)
+    pick = np.random.default_rng(seed).integers(0, len(train), n).tolist()
+    p, patch = cfg.data.packing, resolve_arch(cfg.model).patch_size
+    grids = [native_grid(int(h), int(w), patch, p.max_patches, p.min_patches)
+             for h, w in train.sizes[pick].tolist()]
+    return grids, tuple(train.captions[i] for i in pick) if train.captions else ()
+
+
+def config_bench_rows(cfg, k: int, args) -> list[tuple]:
+    """(name, run) of the bench rows a config is held against, each ``run()`` the row's
+    images/s on synthetic input: layer and step graphs, then the config's recipe
+    (``recipe_overrides``) with step graphs. Fixed resolution: the model at its micro-batch
+    (``bench_vitgraph``, ``k`` microbatches). Native resolution: its packs (size, images a
+    pack, ``k`` a step) over a stream of its data's image sizes and, for a caption config,
+    captions and language model (``bench_vitgraph_native``)."""
+    from vitgraph.config import task_kind
+    recipe = recipe_overrides(cfg)
+    if cfg.data.resolution != "native":
+        def fixed(system, over):
+            impl, scope = VITGRAPH_SYSTEMS[system]
+            return lambda: bench_vitgraph(cfg.model.name, cfg.train.micro_batch_size, impl, "bf16",
+                                          args.warmup, args.iters, args.num_classes, k,
+                                          [*over, *args.override], scope)["images_per_s"]
+        return [("vitgraph+graphs", fixed("vitgraph+graphs", [])),
+                ("vitgraph+step-graphs", fixed("vitgraph+step-graphs", [])),
+                ("recipe", fixed("vitgraph+step-graphs", recipe))]
+    p = cfg.data.packing
+    if p.layout == "padded":
+        raise ValueError("data.packing.layout=padded: the bench rows of a config at native "
+                         "resolution are packed ones")
+    grids, texts = config_stream(cfg, args.images, args.seed)
+    captions, keep = None, [f"data.packing.min_patches={p.min_patches}"]
+    if task_kind(cfg) == "caption":
+        lm = cfg.lm
+        captions = Captions(lm.num_layers, lm.hidden_size, lm.num_heads, lm.tokenizer,
+                            lm.text_length, 3, args.seed, texts)
+        keep += section_overrides(lm, "lm")
+
+    def native(system, over):
+        return lambda: bench_vitgraph_native(
+            cfg.model.name, system, grids, p.max_patches, pack_tokens=p.tokens_per_microbatch,
+            max_images=p.max_images, packs_per_step=k, padded_images=0, warmup=args.warmup,
+            iters=args.iters, num_classes=args.num_classes,
+            overrides=[*keep, *over, *args.override],
+            seed=args.seed, captions=captions)["images_per_s"]
+    return [(s, native(s, [])) for s in ("vitgraph+packed+graphs", "vitgraph+packed+step-graphs")] \
+        + [("recipe", native("vitgraph+packed+step-graphs", recipe))]
 
 
 def shipped_window(path: Path, data: str | None, steps: int | None, microbatches: int,
@@ -1172,38 +1253,37 @@ def run_configs(args) -> int:
     configs = args.configs
     if [str(c) for c in configs] == ["all"]:
         configs = bundled_gpu_configs()
+    from vitgraph.config import load_config, task_kind
     for path in configs:
-        from vitgraph.config import load_config
-        cfg = load_config(path, ["data.kind=shapes", "parallel.tp=1", "parallel.pp=1",
-                                 "parallel.vpp=1", "parallel.sequence_parallel=false"])
-        pair = cfg.model.name in OPEN_CLIP_NAMES or cfg.model.name in VITGRAPH_ONLY
-        data = args.shards if pair else args.imagefolder
-        k = 1 if pair else 2  # a pair's micro-batch of 512 is a step of ~0.16 s already
+        # the config as shipped, read with the data it will get (a config error is the row's)
+        kind = task_kind(load_config(path, ["data.kind=shapes"]))
+        # image-text configs (pairs, captions) on the shards, classifiers on the folder
+        data = args.shards if kind in ("contrastive", "caption") else args.imagefolder
+        k = 1 if kind == "contrastive" else 2  # a pair's micro-batch of 512: ~0.16 s a step
         t0 = time.time()
+        row, rows_of, rates = {"config": str(path)}, [], {}
         try:
             row = bench_config(path, data, args.steps, args.window_s, runs, k)
+            cfg = load_config(path, [*([f"data.path={data}"] if data else []), "parallel.tp=1",
+                                     "parallel.pp=1", "parallel.vpp=1",
+                                     "parallel.sequence_parallel=false"])
+            rows_of = config_bench_rows(cfg, k, args)
         except Exception as e:
             traceback.print_exc()
-            row = {"config": str(path), "error": f"{type(e).__name__}: {e}"[:500]}
-        rates = {}
+            row["error"] = (row.get("error", "") + f" {type(e).__name__}: {e}").strip()[:800]
         # eager is left out: at every bundled config's micro-batch it ran at 0.38-0.87x of the
         # graphed paths (benchmarks/h200/*-paths.json). "recipe": the config's recipe on
         # synthetic input (step graphs, as auto picks on one GPU): what of the gap to the best
         # row is the recipe's, what is the input pipeline's
-        for name, system, over in (("vitgraph+graphs", "vitgraph+graphs", []),
-                                   ("vitgraph+step-graphs", "vitgraph+step-graphs", []),
-                                   ("recipe", "vitgraph+step-graphs", recipe_overrides(cfg))):
-            impl, scope = VITGRAPH_SYSTEMS[system]
+        for name, run in rows_of:
             try:
-                res = bench_vitgraph(cfg.model.name, cfg.train.micro_batch_size, impl, "bf16",
-                                     args.warmup, args.iters, args.num_classes, k, over, scope)
-                rates[name] = res["images_per_s"]
+                rates[name] = run()
             except Exception:
                 traceback.print_exc()
                 rates[name] = None
             gc.collect()
             torch.cuda.empty_cache()
-        row["recipe_images_per_s"] = rates.pop("recipe")
+        row["recipe_images_per_s"] = rates.pop("recipe", None)
         best = rates
         done = {k: v for k, v in best.items() if v}
         row["bench_images_per_s"] = best

@@ -142,3 +142,34 @@ def test_vlm_rows_give_samples_real_tokens_and_the_towers_share(tmp_path, monkey
     # real tokens: the images' patches and the captions' BOS to EOS, of what was computed
     cap = bench.Captions(1, 32, 2, "byte", 12, 4)
     assert {cap.length(i) for i in range(16)} <= set(range(4, 13))
+
+
+def test_a_native_caption_config_is_held_against_its_own_packs_captions_and_lm():
+    """--configs for a config at native resolution with a language model (the VLM's): its
+    bench rows run its packs over a stream of its data's image sizes (each at the grid it
+    trains at) with the data's captions, through its own lm keys; a caption's real tokens are
+    BOS to EOS of its ids."""
+    import argparse
+    from vitgraph.config import load_config
+    from vitgraph.data import build_datasets
+    from vitgraph.data.packing import native_grid
+    from vitgraph.text import make_tokenizer
+    bench = load_bench()
+    cfg = load_config(ROOT / "configs" / "vlm-tiny-shapes-native.yaml",
+                      ["data.num_train=48", "data.num_val=8"])
+    grids, texts = bench.config_stream(cfg, 24, seed=3)
+    train, _ = build_datasets(cfg.data, cfg.train.seed, native=True)
+    p = cfg.data.packing
+    pairs = {(native_grid(h, w, 4, p.max_patches, p.min_patches), c)
+             for (h, w), c in zip(train.sizes.tolist(), train.captions)}
+    assert len(grids) == len(texts) == 24 and set(zip(grids, texts)) <= pairs
+    assert len(set(grids)) > 1  # the data's sizes, not one square grid
+    tok = make_tokenizer("byte", 259, 8)
+    ids = bench.Captions(1, 8, 1, "byte", 8, 3, texts=("ab", "a much longer caption"))
+    assert bench.caption_lengths(ids.ids(tok, 3), tok) == [4, 8, 4]  # cut: EOS kept
+    args = argparse.Namespace(images=200, seed=3, warmup=1, iters=1, num_classes=10,
+                              override=["model.spec=torch", "train.precision=fp32"])
+    rows = bench.config_bench_rows(cfg, 1, args)
+    assert [name for name, _ in rows] == ["vitgraph+packed+graphs",
+                                          "vitgraph+packed+step-graphs", "recipe"]
+    assert rows[0][1]() > 0
