@@ -143,6 +143,21 @@ def test_position_resampling_is_grid_sample_and_the_grid_at_its_size(dist1):
         # the trained grid itself, exactly where the image has the trained grid's size
         torch.testing.assert_close(got[(seg == 0) & (coords[:, 0] >= 0)], g.reshape(16, 8),
                                    atol=1e-6, rtol=1e-6)
+        # a bf16 grid (bf16 training's parameters) in bf16, its cells padded to 8: the fp32
+        # numbers within the weights' rounding, its own cells exactly, and its gradient
+        gb = g.bfloat16().requires_grad_()
+        half = pk.resample_positions(gb, coords, mode)
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), got, atol=2e-2, rtol=1e-2)
+        assert torch.equal(half[(seg == 0) & (coords[:, 0] >= 0)], gb.detach().reshape(16, 8))
+        half.float().sum().backward()
+        torch.testing.assert_close(gb.grad.float(), torch.autograd.grad(
+            pk.resample_positions(g.requires_grad_(), coords, mode).sum(), g)[0],
+            atol=2e-2, rtol=1e-2)
+        g = g.detach()
+        g3 = torch.randn(3, 3, 8)  # 9 cells, padded to 16
+        torch.testing.assert_close(pk.resample_positions(g3.bfloat16(), coords, mode).float(),
+                                   pk.resample_positions(g3, coords, mode), atol=2e-2, rtol=1e-2)
 
 
 def test_square_images_match_the_fixed_path(dist1):
