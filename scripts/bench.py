@@ -1151,7 +1151,7 @@ def shipped_window(path: Path, data: str | None, steps: int | None, microbatches
 
 
 def bench_config(path: Path, data: str | None, steps: int | None, window_s: float, runs: Path,
-                 microbatches: int = 2) -> dict:
+                 microbatches: int = 2, gpu_mem: float | None = None) -> dict:
     """``vitgraph train CONFIG`` as a user runs it, in a process of its own, on ``data`` (its
     own kind: an ImageFolder for a classifier, shards for a pair; None: the config's own): the
     first ``steps`` steps of the shipped schedule (None: a quarter of its warm-up, at least
@@ -1161,7 +1161,8 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     than the run). The row: the loop's rate (the first logged window, with the captures, left
     out), the losses of the window and whether they fell, how far the warm-up got, and the
     graph path auto chose. One GPU: the global batch is ``microbatches`` microbatches and tp /
-    pp are 1, the rest as shipped."""
+    pp are 1, the rest as shipped. Not run where `vitgraph plan` says the run does not fit the
+    GPU (``gpu_mem`` GiB; None: this machine's): the row says so (``fits`` false)."""
     import re
     from vitgraph.train.preempt import PREEMPTED_EXIT
     run_dir = runs / path.stem
@@ -1171,6 +1172,18 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     # (vitgraph.parallel.setup.init_distributed), and a child that inherits them binds the same
     # port (EADDRINUSE)
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    # a big tower at tp 1 can outgrow one GPU (the 6B one an H100's): said in seconds on CPU
+    # instead of an out-of-memory minutes into the run
+    plan = subprocess.run([sys.executable, "-m", "vitgraph", "plan", str(path), *over,
+                           *(["--gpu-mem", str(gpu_mem)] if gpu_mem else [])],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
+    if plan.returncode == 1:
+        peak = [x for x in plan.stdout.splitlines() if x.startswith("peak ")]
+        return {"config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
+                "model": cfg.model.name, "micro_batch": cfg.train.micro_batch_size,
+                "overrides": over, "fits": False,
+                "error": f"not run: `vitgraph plan` says it does not fit one GPU at tp 1: "
+                         f"{peak[0] if peak else plan.stdout[-300:]}"}
     proc = subprocess.Popen([sys.executable, "-m", "vitgraph", "train", str(path), *over],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
@@ -1193,7 +1206,7 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
            "global_batch": batch, "shipped_global_batch": shipped_batch,
            "input": "the config's" if not data else
                     "imagefolder" if os.path.isdir(os.path.join(data, "train")) else "shards",
-           "overrides": over, "exit": proc.returncode,
+           "overrides": over, "fits": True, "exit": proc.returncode,
            "graphs": graphs.group(1) if graphs else None, "steps": reached,
            "warmup_steps": warmup, "lr_share_of_peak": share,
            # equal images per window: the rate over them is the harmonic mean
@@ -1264,10 +1277,11 @@ def run_configs(args) -> int:
         row, rows_of, rates = {"config": str(path)}, [], {}
         try:
             row = bench_config(path, data, args.steps, args.window_s, runs, k)
-            cfg = load_config(path, [*([f"data.path={data}"] if data else []), "parallel.tp=1",
-                                     "parallel.pp=1", "parallel.vpp=1",
-                                     "parallel.sequence_parallel=false"])
-            rows_of = config_bench_rows(cfg, k, args)
+            if row["fits"]:  # else its bench rows would not fit either
+                cfg = load_config(path, [*([f"data.path={data}"] if data else []),
+                                         "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
+                                         "parallel.sequence_parallel=false"])
+                rows_of = config_bench_rows(cfg, k, args)
         except Exception as e:
             traceback.print_exc()
             row["error"] = (row.get("error", "") + f" {type(e).__name__}: {e}").strip()[:800]

@@ -78,6 +78,12 @@ def test_a_config_as_shipped_runs_its_window_of_the_shipped_schedule(tmp_path):
         sum(losses[-third:]) < 0.98 * sum(losses[:third]))
     assert not (tmp_path / "vit-tiny-shapes" / "checkpoints").exists() or not any(
         (tmp_path / "vit-tiny-shapes" / "checkpoints").iterdir())
+    assert row["fits"]
+    # a run `vitgraph plan` says does not fit the GPU is not started: the row says why
+    small = bench.bench_config(ROOT / "configs" / "vit-tiny-shapes.yaml", None, 10, 120,
+                               tmp_path / "small", microbatches=1, gpu_mem=0.01)
+    assert small["fits"] is False and "does not fit" in small["error"], small
+    assert "DOES NOT FIT" in small["error"] and not (tmp_path / "small").exists()
 
 
 def test_every_bundled_gpu_config_takes_its_as_shipped_overrides(tmp_path):
