@@ -1268,7 +1268,6 @@ def run_configs(args) -> int:
         configs = bundled_gpu_configs()
     from vitgraph.config import load_config, task_kind
     for path in configs:
-        # the config as shipped, read with the data it will get (a config error is the row's)
         kind = task_kind(load_config(path, ["data.kind=shapes"]))
         # image-text configs (pairs, captions) on the shards, classifiers on the folder
         data = args.shards if kind in ("contrastive", "caption") else args.imagefolder
