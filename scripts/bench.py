@@ -1076,14 +1076,13 @@ def config_stream(cfg, n: int, seed: int) -> tuple[list, tuple]:
     replacement) from its data's training split, each at the grid it trains at, and their
     captions (() where the data has none)."""
     import numpy as np
-    from vitgraph.data import build_datasets
-    from vitgraph.data.packing import native_grid
+    from vitgraph.data import build_datasets, pack_spec
     from vitgraph.models.registry import resolve_arch
     train, _ = build_datasets(cfg.data, cfg.train.seed, native=True)
     pick = np.random.default_rng(seed).integers(0, len(train), n).tolist()
-    p, patch = cfg.data.packing, resolve_arch(cfg.model).patch_size
-    grids = [native_grid(int(h), int(w), patch, p.max_patches, p.min_patches)
-             for h, w in train.sizes[pick].tolist()]
+    spec = pack_spec(cfg.data.packing, resolve_arch(cfg.model).patch_size,
+                     int(cfg.model.class_token) + cfg.model.num_registers)
+    grids = [tuple(g) for g in train.grids(spec)[pick].tolist()]
     return grids, tuple(train.captions[i] for i in pick) if train.captions else ()
 
 
@@ -1172,6 +1171,7 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     # (vitgraph.parallel.setup.init_distributed), and a child that inherits them binds the same
     # port (EADDRINUSE)
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     # a big tower at tp 1 can outgrow one GPU (the 6B one an H100's): said in seconds on CPU
     # instead of an out-of-memory minutes into the run
     plan = subprocess.run([sys.executable, "-m", "vitgraph", "plan", str(path), *over,
@@ -1179,8 +1179,7 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
                           cwd=ROOT, capture_output=True, text=True, env=env)
     if plan.returncode == 1:
         peak = [x for x in plan.stdout.splitlines() if x.startswith("peak ")]
-        return {"config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
-                "model": cfg.model.name, "micro_batch": cfg.train.micro_batch_size,
+        return {"config": name, "model": cfg.model.name, "micro_batch": cfg.train.micro_batch_size,
                 "overrides": over, "fits": False,
                 "error": f"not run: `vitgraph plan` says it does not fit one GPU at tp 1: "
                          f"{peak[0] if peak else plan.stdout[-300:]}"}
@@ -1201,7 +1200,7 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     # resolution): how much of that the window saw says whether its loss could fall yet
     batch, shipped_batch = microbatches * cfg.train.micro_batch_size, cfg.train.global_batch_size
     seen, warmup_seen = reached * batch, warmup * shipped_batch
-    row = {"config": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
+    row = {"config": name,
            "model": cfg.model.name, "micro_batch": cfg.train.micro_batch_size,
            "global_batch": batch, "shipped_global_batch": shipped_batch,
            "input": "the config's" if not data else
