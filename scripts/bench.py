@@ -73,7 +73,9 @@ ratio 0.5-2, shorter side 128-512, each at its NaFlex grid for ``--max-patches``
                          step: what a fixed-shape graph needs without packing
   timm-naflex[+compile]  timm's NaFlexVit (vitgraph's geometry, or --timm-arch) as timm's NaFlex
                          loader feeds it: --timm-batch images padded to max_patches with
-                         patch_valid masks, autocast bf16, fused AdamW
+                         patch_valid masks, autocast bf16, fused AdamW; a step that runs out
+                         of GPU memory runs again in 2, 4, ... microbatches (gradients
+                         accumulated; the row's ``microbatches`` and ``fitted_after``)
 Rows report ``images_per_s``, ``real_tokens_per_s`` (patch tokens of real images per second),
 ``tokens_per_s`` (computed, padding included) and ``real_share``.
 
@@ -883,11 +885,15 @@ def timm_naflex_model(model: str, num_classes: int, arch_name: str | None = None
 
 def bench_timm_naflex(model: str, grids: list, max_patches: int, compile_mode: str | None, *,
                       batch: int, warmup: int, iters: int, num_classes: int,
-                      arch_name: str | None = None, seed: int = 0) -> dict:
+                      arch_name: str | None = None, seed: int = 0, microbatches: int = 1) -> dict:
     """timm's NaFlexVit on the stream as timm's NaFlex loader feeds it: ``batch`` images a
     step, each padded to the collator's sequence length (``max_patches``, timm's
     NaFlexCollator(max_seq_len)), patch_coord and patch_valid masks; autocast bf16, fused
-    AdamW, grad clipping at 1."""
+    AdamW, grad clipping at 1. ``microbatches``: the step's images in that many equal parts,
+    their gradients accumulated (timm's ``--grad-accum-steps``)."""
+    if batch % microbatches:
+        raise ValueError(f"{batch} images a step do not split into {microbatches} microbatches")
+    part = batch // microbatches
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     net, name = timm_naflex_model(model, num_classes, arch_name)
     net = net.to(dev).train()
@@ -918,24 +924,52 @@ def bench_timm_naflex(model: str, grids: list, max_patches: int, compile_mode: s
     scale = torch.tensor(1 / 127.5, device=dev)
 
     def one(b):
-        x8, coord, valid, y = b
-
         def step():
-            if compile_mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            x = x8.float() * scale - 1.0  # (v / 255 - 0.5) / 0.5, as the loader normalises
-            with torch.autocast(dev, dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(
-                    fwd(x, patch_coord=coord, patch_valid=valid), y)
-            loss.backward()
+            for c in range(0, batch, part):
+                if compile_mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                x8, coord, valid, y = (t[c:c + part] for t in b)
+                x = x8.float() * scale - 1.0  # (v / 255 - 0.5) / 0.5, as the loader normalises
+                with torch.autocast(dev, dtype=torch.bfloat16):
+                    loss = torch.nn.functional.cross_entropy(
+                        fwd(x, patch_coord=coord, patch_valid=valid), y)
+                (loss / microbatches).backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
 
     m = _measure_cycle([one(b) for b in batches], counts, warmup, iters)
-    return {**m, "timm_model": name, "batch": batch, "padded_to": max_patches,
+    return {**m, "timm_model": name, "batch": batch, "microbatches": microbatches,
+            "padded_to": max_patches,
             "steps_in_stream": len(batches), "images_in_stream": sum(c[0] for c in counts)}
+
+
+def timm_naflex_fitting(args, model: str, grids: list, max_patches: int,
+                        compile_mode: str | None) -> dict:
+    """``bench_timm_naflex`` with ``args.timm_batch`` images a step in one microbatch, or, where
+    that runs out of GPU memory, in 2, 4, ... (gradients accumulated, as a timm user would fit
+    the step); the row says how many and why."""
+    k, oom = 1, None
+    while True:
+        try:
+            res = bench_timm_naflex(model, grids, max_patches, compile_mode,
+                                    batch=args.timm_batch, warmup=args.warmup, iters=args.iters,
+                                    num_classes=args.num_classes, arch_name=args.timm_arch,
+                                    seed=args.seed, microbatches=k)
+            break
+        except torch.OutOfMemoryError as e:
+            if args.timm_batch % (2 * k):
+                raise
+            oom = f"{args.timm_batch} images in {k} microbatch(es) ran out of memory: {e}"[:300]
+        # the failed attempt's model, optimizer and compiled graphs go before the next one
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        k *= 2
+        print(f"timm-naflex at max_patches {max_patches}: out of memory, again in {k} "
+              f"microbatches of {args.timm_batch // k}", flush=True)
+    return {**res, **({"fitted_after": oom} if oom else {})}
 
 
 def native_jobs(args) -> list[tuple[str, int, str]]:
@@ -972,11 +1006,8 @@ def run_native(args) -> int:
             if vlm:
                 res = vlm_row(args, model, system, grids, mp)
             elif system in NATIVE_PEERS:
-                res = bench_timm_naflex(model, grids, mp,
-                                        "default" if system.endswith("+compile") else None,
-                                        batch=args.timm_batch, warmup=args.warmup,
-                                        iters=args.iters, num_classes=args.num_classes,
-                                        arch_name=args.timm_arch, seed=args.seed)
+                res = timm_naflex_fitting(args, model, grids, mp,
+                                          "default" if system.endswith("+compile") else None)
             else:
                 res = bench_vitgraph_native(model, system, grids, mp,
                                             pack_tokens=args.pack_tokens,
@@ -1012,6 +1043,8 @@ def run_native(args) -> int:
                   f"({100 * res.get('real_share', float('nan')):.0f}% real) "
                   + (f"tower {100 * res['tower_share']:.0f}% of the step "
                      if "tower_share" in res else "")
+                  + (f"in {res['microbatches']} microbatches "
+                     if system in NATIVE_PEERS and res.get("microbatches", 1) > 1 else "")
                   + f"peak {res.get('peak_reserved_gib', float('nan')):5.1f} GiB reserved "
                   f"({row['wall_s']}s, {time.time() - t_all:.0f}s in all)"
                   + (f"  ERROR {err}" if err else ""), flush=True)

@@ -456,10 +456,19 @@ def test_bench_native_stream_and_its_packing():
     assert net.global_pool == "token" and net.embeds.pos_embed_use_grid_sample
 
 
-def test_bench_native_rows_on_cpu(tmp_path):
+def test_bench_native_rows_on_cpu(tmp_path, monkeypatch):
+    """bench.py --native's rows on CPU; the timm peer's step, as if one microbatch of its
+    images ran out of GPU memory, runs again in two with their gradients accumulated."""
     import json
     import types
     bench = load_bench()
+    timm_step = bench.bench_timm_naflex
+
+    def short_of_memory(*a, microbatches=1, **k):
+        if microbatches == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+        return timm_step(*a, microbatches=microbatches, **k)
+    monkeypatch.setattr(bench, "bench_timm_naflex", short_of_memory)
     args = types.SimpleNamespace(
         models=["vit_pico_patch4_32"], max_patches=[12], images=64, seed=0, pack_tokens=64,
         max_images=6, packs_per_step=2, timm_batch=4, timm_arch=None, warmup=3, iters=2,
@@ -479,3 +488,5 @@ def test_bench_native_rows_on_cpu(tmp_path):
     # the same stream and batches: timm and the padded slots pad every image to max_patches
     assert rows["timm-naflex"]["real_share"] == pytest.approx(rows["vitgraph+padded"]["real_share"])
     assert rows["timm-naflex"]["images_in_stream"] == rows["vitgraph+padded"]["images_in_stream"]
+    assert rows["timm-naflex"]["microbatches"] == 2 and rows["timm-naflex"]["batch"] == 4
+    assert rows["timm-naflex"]["fitted_after"].startswith("4 images in 1 microbatch(es) ran out")
