@@ -1160,15 +1160,23 @@ def config_bench_rows(cfg, k: int, args) -> list[tuple]:
         + [("recipe", native("vitgraph+packed+step-graphs", recipe))]
 
 
+ONE_GPU_LAYOUT = ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
+                  "parallel.sequence_parallel=false")
+
+
+def one_gpu_config(path: Path, data: str | None):
+    """A bundled config as ``--configs`` runs it: on ``data`` (None: its own), tp / pp 1."""
+    from vitgraph.config import load_config
+    return load_config(path, [*([f"data.path={data}"] if data else []), *ONE_GPU_LAYOUT])
+
+
 def shipped_window(path: Path, data: str | None, steps: int | None, microbatches: int,
                    run_dir: Path) -> tuple:
     """(config, overrides, window steps, warm-up steps, log interval) of ``bench_config``'s
     run: the config as shipped on one GPU, ``train.steps`` far past the window (it replaces an
     epoch count: giving one of the two drops the other), the shipped warm-up, nothing saved."""
-    from vitgraph.config import load_config
-    layout = ["parallel.tp=1", "parallel.pp=1", "parallel.vpp=1", "parallel.sequence_parallel=false"]
     data_over = [f"data.path={data}"] if data else []
-    cfg = load_config(path, [*data_over, *layout])
+    cfg = one_gpu_config(path, data)
     o = cfg.optim  # the shipped warm-up, in steps (a fraction of train.steps where it is one)
     warmup = o.warmup_steps if o.warmup_steps is not None else \
         int(o.warmup_fraction * cfg.train.steps) if cfg.train.steps else 0
@@ -1178,7 +1186,8 @@ def shipped_window(path: Path, data: str | None, steps: int | None, microbatches
             f"optim.warmup_steps={warmup}", f"train.log_every={log_every}",
             "train.eval_every=0", "checkpoint.every=0", "checkpoint.save=false",
             "train.progress=false", "checkpoint.resume=false", f"run.dir={run_dir}",
-            f"train.global_batch_size={microbatches * cfg.train.micro_batch_size}", *layout]
+            f"train.global_batch_size={microbatches * cfg.train.micro_batch_size}",
+            *ONE_GPU_LAYOUT]
     return cfg, over, steps, warmup, log_every
 
 
@@ -1309,10 +1318,7 @@ def run_configs(args) -> int:
         try:
             row = bench_config(path, data, args.steps, args.window_s, runs, k)
             if row["fits"]:  # else its bench rows would not fit either
-                cfg = load_config(path, [*([f"data.path={data}"] if data else []),
-                                         "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
-                                         "parallel.sequence_parallel=false"])
-                rows_of = config_bench_rows(cfg, k, args)
+                rows_of = config_bench_rows(one_gpu_config(path, data), k, args)
         except Exception as e:
             traceback.print_exc()
             row["error"] = (row.get("error", "") + f" {type(e).__name__}: {e}").strip()[:800]
