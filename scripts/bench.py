@@ -49,7 +49,8 @@ in this run (``bench_config``, ``run_configs``): rows with ``config``, ``images_
 ``best_images_per_s``, ``graphs`` (what auto chose), ``steps``, ``lr_share_of_peak``, the
 window's ``losses`` and ``loss_fell`` (the last third's mean 2% under the first third's), and
 ``window_samples`` against ``warmup_samples`` (the warm-up at the config's own global batch:
-a window of one GPU's batch sees a small share of it); ``recipe_images_per_s``: the bench row
+a window of one GPU's batch sees a small share of it; a classifier's losses still at
+ln(classes) are named there as the reason); ``recipe_images_per_s``: the bench row
 with the config's recipe (drop path, EMA, label smoothing, clipping, augmentation) on synthetic
 input, between the best row and the as-shipped one. A config at native resolution (the VLM's)
 is held against its own packs, on a stream of its data's image sizes and, for a caption
@@ -1238,6 +1239,7 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     third = max(1, len(losses) // 3)
     fell = bool(losses) and sum(losses[-third:]) / third < 0.98 * sum(losses[:third]) / third
     share = min(1.0, reached / warmup) if warmup else 1.0
+    plateau = _uniform_plateau(cfg, run_dir, losses[-third:]) if losses and not fell else None
     # the recipe warms up over warmup x its own global batch samples (images; packs at native
     # resolution): how much of that the window saw says whether its loss could fall yet
     batch, shipped_batch = microbatches * cfg.train.micro_batch_size, cfg.train.global_batch_size
@@ -1259,10 +1261,29 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
                      f"the warm-up ({warmup} steps) took the learning rate to {share:.1%} of its "
                      f"peak; {seen:,} samples, {seen / warmup_seen if warmup_seen else 1:.1%} "
                      f"of the {warmup_seen:,} the recipe warms up over at its batch of "
-                     f"{shipped_batch}"}
+                     f"{shipped_batch}" + (f"; {plateau}" if plateau else "")}
     if proc.returncode not in (0, PREEMPTED_EXIT):
         row["error"] = out[-800:]
     return row
+
+
+def _uniform_plateau(cfg, run_dir: Path, tail: list[float]) -> str | None:
+    """Why a classifier's window did not fall, where its last losses sit at ln(classes) (within
+    0.5%): the model still predicts every class alike, the plateau a from-scratch run under
+    heavy augmentation holds for thousands of steps (benchmarks/BENCHMARKS.md); else None."""
+    from vitgraph.config import task_kind
+    from vitgraph.data.augment import augment_line
+    classes = run_dir / "classes.json"
+    if task_kind(cfg) != "classification" or not classes.is_file():
+        return None
+    n = len(json.loads(classes.read_text()))
+    uniform = math.log(n)
+    if abs(sum(tail) / len(tail) - uniform) > 0.005 * uniform:
+        return None
+    start = f"from {cfg.model.init_from}" if cfg.model.init_from else "from scratch"
+    return (f"the loss sat at ln {n} = {uniform:.4f}, a uniform prediction over its {n} "
+            f"classes (no class learned yet), {start}, data.augment: "
+            f"{augment_line(cfg.data.augment)}")
 
 
 STARTUP_S = 600  # a config's start-up (data, build, the first steps' captures) at most

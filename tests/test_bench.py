@@ -1,5 +1,6 @@
 """scripts/bench.py's pieces that need no GPU."""
 import importlib.util
+import math
 import types
 
 from conftest import ROOT
@@ -76,6 +77,9 @@ def test_a_config_as_shipped_runs_its_window_of_the_shipped_schedule(tmp_path):
     third = max(1, len(losses) // 3)
     assert len(losses) >= 2 and row["loss_fell"] == (
         sum(losses[-third:]) < 0.98 * sum(losses[:third]))
+    # a classifier's window that did not fall and sits at ln(classes) says so
+    at_uniform = abs(sum(losses[-third:]) / third - math.log(10)) <= 0.005 * math.log(10)
+    assert ("ln 10 = 2.3026" in row["window"]) == (at_uniform and not row["loss_fell"]), row
     assert not (tmp_path / "vit-tiny-shapes" / "checkpoints").exists() or not any(
         (tmp_path / "vit-tiny-shapes" / "checkpoints").iterdir())
     assert row["fits"]
