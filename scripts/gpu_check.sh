@@ -17,7 +17,8 @@
 #   l16-mb8 (1 GPU): ViT-L/16 at micro-batch 8, step graphs against timm + compile
 #   reduce-overhead in one process.
 #   configs-bench (1 GPU): bench.py --configs, every bundled GPU config as shipped (or those of
-#   $BENCH_CONFIGS) on JPEGs made here.
+#   $BENCH_CONFIGS) on JPEGs made here; $BENCH_STEPS / $BENCH_WINDOW_S: each run's window
+#   (default: bench.py's), $BENCH_TIMEOUT the whole step's limit (default 560 s).
 #   augment (1 GPU): ViT-B/16 mb 128 x 2 step graphs, the shipped augmentation off and on, each
 #   on synthetic input and from the JPEG ImageFolder configs-bench makes, with kernel tables.
 #   configs (1 GPU): every GPU config's header smoke line (scripts/smoke_configs.py); fails unless
@@ -242,8 +243,10 @@ for s in "${steps[@]}"; do
         python scripts/make_shards.py $f $sh --shard-size 512 --captions >> "$out/configs_data.log" 2>&1
         sync
       fi
-      timeout -s INT 560 python scripts/bench.py --configs ${BENCH_CONFIGS:-all} --imagefolder $f \
-        --shards $sh --out "$out/configs.json" 2>&1 | tee "$out/configs.log" | tail -30 ;;
+      win=(${BENCH_STEPS:+--steps $BENCH_STEPS} ${BENCH_WINDOW_S:+--window-s $BENCH_WINDOW_S})
+      timeout -s INT ${BENCH_TIMEOUT:-560} python scripts/bench.py --configs ${BENCH_CONFIGS:-all} \
+        --imagefolder $f --shards $sh "${win[@]}" --out "$out/configs.json" 2>&1 \
+        | tee "$out/configs.log" | tail -30 ;;
     augment)
       f=/tmp/cfg_folder; photos $f "$out/augment_data.log"
       a=(--model vit_b16_224 --micro-batches 128 --microbatches 2 --systems vitgraph+step-graphs
