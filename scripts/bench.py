@@ -1272,11 +1272,12 @@ def _uniform_plateau(cfg, run_dir: Path, tail: list[float]) -> str | None:
     0.5%): the model still predicts every class alike, the plateau a from-scratch run under
     heavy augmentation holds for thousands of steps (benchmarks/BENCHMARKS.md); else None."""
     from vitgraph.config import task_kind
+    from vitgraph.convert.export_files import read_classes
     from vitgraph.data.augment import augment_line
-    classes = run_dir / "classes.json"
-    if task_kind(cfg) != "classification" or not classes.is_file():
+    classes = read_classes(run_dir) if task_kind(cfg) == "classification" else None
+    if not classes:
         return None
-    n = len(json.loads(classes.read_text()))
+    n = len(classes)
     uniform = math.log(n)
     if abs(sum(tail) / len(tail) - uniform) > 0.005 * uniform:
         return None
