@@ -1128,13 +1128,18 @@ def config_bench_rows(cfg, k: int, args) -> list[tuple]:
     pack, ``k`` a step) over a stream of its data's image sizes and, for a caption config,
     captions and language model (``bench_vitgraph_native``)."""
     from vitgraph.config import task_kind
+    from vitgraph.config_keys import yaml_value
     recipe = recipe_overrides(cfg)
     if cfg.data.resolution != "native":
+        # the config's activation recompute: the 6B tower's micro-batch fits only with it
+        memory = [f"train.{key}={yaml_value(getattr(cfg.train, key))}" for key in
+                  ("recompute", "recompute_method", "recompute_layers", "recompute_modules")]
+
         def fixed(system, over):
             impl, scope = VITGRAPH_SYSTEMS[system]
             return lambda: bench_vitgraph(cfg.model.name, cfg.train.micro_batch_size, impl, "bf16",
                                           args.warmup, args.iters, args.num_classes, k,
-                                          [*over, *args.override], scope)["images_per_s"]
+                                          [*memory, *over, *args.override], scope)["images_per_s"]
         return [("vitgraph+graphs", fixed("vitgraph+graphs", [])),
                 ("vitgraph+step-graphs", fixed("vitgraph+step-graphs", [])),
                 ("recipe", fixed("vitgraph+step-graphs", recipe))]
