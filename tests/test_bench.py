@@ -117,6 +117,19 @@ def test_every_bundled_gpu_config_takes_its_as_shipped_overrides(tmp_path):
             for name in part.split("."):
                 got, want = getattr(got, name), getattr(want, name)
             assert got == want, (path, part)
+        # its bench rows run at its activation recompute (the 6B tower fits only with it)
+        if cfg.data.resolution != "native":
+            seen = []
+            bench.bench_vitgraph = lambda *a, **k: seen.append(a[8]) or {"images_per_s": 1.0}
+            args = types.SimpleNamespace(warmup=1, iters=1, num_classes=10, override=[])
+            for _, run_row in bench.config_bench_rows(cfg, 2, args):
+                run_row()
+            for over in seen:
+                row = load_config(ROOT / "configs" / "vit-b16-imagefolder.yaml",
+                                  ["data.kind=shapes", *over])
+                assert row.train.recompute == cfg.train.recompute, path
+    assert load_config(ROOT / "configs" / "vit-6b-imagefolder.yaml",
+                       ["data.kind=shapes"]).train.recompute == "full"
 
 
 def test_vlm_rows_give_samples_real_tokens_and_the_towers_share(tmp_path, monkeypatch):
