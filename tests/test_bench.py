@@ -196,3 +196,28 @@ def test_a_native_caption_config_is_held_against_its_own_packs_captions_and_lm()
     assert [name for name, _ in rows] == ["vitgraph+packed+graphs",
                                           "vitgraph+packed+step-graphs", "recipe"]
     assert rows[0][1]() > 0
+
+
+def test_a_configs_run_cut_in_its_bench_rows_keeps_the_as_shipped_row(tmp_path):
+    """--configs under a time limit (SIGINT) that ends the bench rows: the JSON already holds
+    the config's as-shipped row (a big tower's window and rows can outlast a device call)."""
+    import json
+
+    import pytest
+    bench = load_bench()
+    shipped = {"config": "configs/vit-g14-imagefolder.yaml", "fits": True, "images_per_s": 1.5}
+    bench.bench_config = lambda *a, **k: dict(shipped)
+    bench.provenance = lambda args: {"command": "test"}
+
+    def cut():
+        raise KeyboardInterrupt
+    bench.config_bench_rows = lambda *a, **k: [("vitgraph+graphs", cut)]
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+    out = tmp_path / "configs.json"
+    args = types.SimpleNamespace(configs=[ROOT / "configs" / "vit-g14-imagefolder.yaml"],
+                                 imagefolder=str(tmp_path), shards=str(tmp_path), steps=None,
+                                 window_s=1, out=out)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_configs(args)
+    assert json.loads(out.read_text())["rows"] == [shipped]
