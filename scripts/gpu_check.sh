@@ -3,7 +3,7 @@
 # (on the H200 device host: `source .te/te-install` first). Logs go to $OUT (or ./gpu-logs).
 #   usage: scripts/gpu_check.sh [tests|tests-a|tests-b|tests-c|configs|plan|train|graphs-train|
 #          multi|resume-optim|fp8-curve|data|clip|profile|loop-rate|bench|native|vlm|l16-mb8|
-#          configs-bench|augment ...]   (default: tests train)
+#          configs-bench|towers|augment ...]   (default: tests train)
 #   tests: `pytest -m gpu tests/gpu` (more than one 10-minute call: on one H100 pytest took
 #   359 s for tests-a, 435 s for tests-b, 83 s for tests-c); tests-a / -b / -c: its parts (the
 #   VLM's tests in c).
@@ -19,6 +19,10 @@
 #   configs-bench (1 GPU): bench.py --configs, every bundled GPU config as shipped (or those of
 #   $BENCH_CONFIGS) on JPEGs made here; $BENCH_STEPS / $BENCH_WINDOW_S: each run's window
 #   (default: bench.py's), $BENCH_TIMEOUT the whole step's limit (default 560 s).
+#   towers (1 H200): the three big towers as shipped (at tp 1 they need 79-99 GiB), one bench
+#   process and JSON each, a 60-step window (a 10,000-step warm-up cannot fall on one GPU);
+#   $TOWERS: some of them (default vit-6b vit-bigG14 vit-g14; on an H200 vit-6b took 433 s,
+#   vit-g14 257 s, and vit-bigG14 was cut at 276 s, one bench row short).
 #   augment (1 GPU): ViT-B/16 mb 128 x 2 step graphs, the shipped augmentation off and on, each
 #   on synthetic input and from the JPEG ImageFolder configs-bench makes, with kernel tables.
 #   configs (1 GPU): every GPU config's header smoke line (scripts/smoke_configs.py); fails unless
@@ -247,6 +251,14 @@ for s in "${steps[@]}"; do
       timeout -s INT ${BENCH_TIMEOUT:-560} python scripts/bench.py --configs ${BENCH_CONFIGS:-all} \
         --imagefolder $f --shards $sh "${win[@]}" --out "$out/configs.json" 2>&1 \
         | tee "$out/configs.log" | tail -30 ;;
+    towers)
+      f=/tmp/cfg_folder; photos $f "$out/towers_data.log"
+      for c in ${TOWERS:-vit-6b vit-bigG14 vit-g14}; do
+        timeout -s INT ${TOWER_TIMEOUT:-480} python scripts/bench.py --configs \
+          configs/$c-imagefolder.yaml --imagefolder $f --shards /tmp/cfg_shards --steps 60 \
+          --window-s 100 --warmup 3 --iters 4 --out "$out/towers-$c.json" 2>&1 \
+          | tee "$out/towers-$c.log" | grep -E "as shipped|Error" | tail -3
+      done ;;
     augment)
       f=/tmp/cfg_folder; photos $f "$out/augment_data.log"
       a=(--model vit_b16_224 --micro-batches 128 --microbatches 2 --systems vitgraph+step-graphs
