@@ -1,7 +1,10 @@
 """scripts/bench.py's pieces that need no GPU."""
 import importlib.util
+import json
 import math
 import types
+
+import pytest
 
 from conftest import ROOT
 
@@ -136,7 +139,6 @@ def test_vlm_rows_give_samples_real_tokens_and_the_towers_share(tmp_path, monkey
     """--vlm: a pico tower + a one-layer GPT as a caption run, packed (layer graphs, the CPU
     rerun backend) and dense (the fixed composition at the max_patches grid), each with the
     tower alone on the same images; the JSON's rows and provenance."""
-    import json
     import sys
     bench = load_bench()
     out = tmp_path / "vlm.json"
@@ -201,9 +203,6 @@ def test_a_native_caption_config_is_held_against_its_own_packs_captions_and_lm()
 def test_a_configs_run_cut_in_its_bench_rows_keeps_the_as_shipped_row(tmp_path):
     """--configs under a time limit (SIGINT) that ends the bench rows: the JSON already holds
     the config's as-shipped row (a big tower's window and rows can outlast a device call)."""
-    import json
-
-    import pytest
     bench = load_bench()
     shipped = {"config": "configs/vit-g14-imagefolder.yaml", "fits": True, "images_per_s": 1.5}
     bench.bench_config = lambda *a, **k: dict(shipped)
