@@ -1215,9 +1215,7 @@ def bench_config(path: Path, data: str | None, steps: int | None, window_s: floa
     run_dir = runs / path.stem
     cfg, over, steps, warmup, log_every = shipped_window(path, data, steps, microbatches, run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
-    # a world of one of its own: this process's first Trainer set RANK, MASTER_PORT ... here
-    # (vitgraph.parallel.setup.init_distributed), and a child that inherits them binds the same
-    # port (EADDRINUSE)
+    # a world of one of its own, even where this bench runs under torchrun
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     # a big tower at tp 1 can outgrow one GPU (the 6B one an H100's): said in seconds on CPU

@@ -263,6 +263,33 @@ def test_a_new_trainer_in_one_process_destroys_the_old_process_groups():
             shutdown()
 
 
+def test_a_world_of_one_takes_no_port_and_leaves_the_environment_alone(monkeypatch):
+    """A plain `vitgraph train` is a world of one over an in-process store: it binds no TCP
+    port (a port picked free and bound later raced another run started at once) and writes no
+    RANK / MASTER_PORT that a child process (a benchmark's run) would inherit and join."""
+    import socket
+    import torch.distributed as dist
+    from vitgraph.config import load_config
+    from vitgraph.parallel.setup import init_distributed, shutdown
+    from vitgraph.plan import resolve
+    if dist.is_initialized():
+        shutdown()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+
+    def no_port(*_):
+        raise OSError(98, "Address already in use")
+    monkeypatch.setattr(socket.socket, "bind", no_port)
+    plan = resolve(load_config(ROOT / "configs" / "vit-tiny-shapes.yaml", ["model.spec=torch"]), 1)
+    try:
+        d = init_distributed(plan)
+        assert (d.rank, d.world, dist.get_world_size()) == (0, 1, 1)
+        leaked = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} & set(os.environ)
+        assert not leaked, leaked
+    finally:
+        shutdown()
+
+
 def test_hardware_queues_default_to_32_unless_set_or_too_late(monkeypatch):
     """nvJPEG's streams need more than CUDA's 8 hardware queues beside the step graph; the
     user's CUDA_DEVICE_MAX_CONNECTIONS wins, and once the driver is initialised nothing is

@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -39,10 +38,15 @@ from vitgraph.plan import Plan
 log = logging.getLogger("vitgraph")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _init_world_of_one(backend: str, device: torch.device | None,
+                       timeout: datetime.timedelta | None = None) -> None:
+    """The default process group of a process that is the whole world, over an in-process
+    store: no TCP port to pick (a port picked free and bound later was a race between two
+    runs started at once) and nothing written to the environment (RANK, MASTER_PORT ...
+    inherited by a child process made it join this world, not one of its own)."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device,
+                            **({"timeout": timeout} if timeout is not None else {}))
 
 
 def launched_world_size() -> int:
@@ -57,10 +61,8 @@ def init_distributed(plan: Plan) -> Dist:
     if not cuda:
         cpu_shims.install()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    if "RANK" not in os.environ:  # plain `vitgraph train`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torchrun = "RANK" in os.environ  # else a plain `vitgraph train`: a world of one
+    rank, world = (int(os.environ["RANK"]), launched_world_size()) if torchrun else (0, 1)
     if world != plan.world:
         raise ConfigError(f"the run was planned for a world of {plan.world} processes; "
                           f"WORLD_SIZE is {world}")
@@ -78,9 +80,14 @@ def init_distributed(plan: Plan) -> Dist:
     else:
         device = torch.device("cpu")
     timeout = collective_timeout(p)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=timeout, device_id=device if cuda else None)
+    backend, device_id = ("nccl", device) if cuda else ("gloo", None)
+    if dist.is_initialized():  # a caller's (tests, benchmarks)
+        pass
+    elif torchrun:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device_id)
+    else:
+        _init_world_of_one(backend, device_id, timeout)
     if ps.model_parallel_is_initialized():  # a second Trainer in one process (benchmarks)
         destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
@@ -111,9 +118,7 @@ def init_for_module(cuda: bool, *, seed: int = 0, graphs: bool = False, te: bool
         cpu_shims.install()
     if not dist.is_initialized():
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1, device_id=device)
+        _init_world_of_one("nccl" if cuda else "gloo", device)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=1,
                                      pipeline_model_parallel_size=1)
