@@ -1170,10 +1170,14 @@ ONE_GPU_LAYOUT = ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
                   "parallel.sequence_parallel=false")
 
 
-def one_gpu_config(path: Path, data: str | None):
+def one_gpu_overrides(data: str | None) -> list[str]:
     """A bundled config as ``--configs`` runs it: on ``data`` (None: its own), tp / pp 1."""
+    return [*([f"data.path={data}"] if data else []), *ONE_GPU_LAYOUT]
+
+
+def one_gpu_config(path: Path, data: str | None):
     from vitgraph.config import load_config
-    return load_config(path, [*([f"data.path={data}"] if data else []), *ONE_GPU_LAYOUT])
+    return load_config(path, one_gpu_overrides(data))
 
 
 def shipped_window(path: Path, data: str | None, steps: int | None, microbatches: int,
@@ -1181,19 +1185,18 @@ def shipped_window(path: Path, data: str | None, steps: int | None, microbatches
     """(config, overrides, window steps, warm-up steps, log interval) of ``bench_config``'s
     run: the config as shipped on one GPU, ``train.steps`` far past the window (it replaces an
     epoch count: giving one of the two drops the other), the shipped warm-up, nothing saved."""
-    data_over = [f"data.path={data}"] if data else []
     cfg = one_gpu_config(path, data)
     o = cfg.optim  # the shipped warm-up, in steps (a fraction of train.steps where it is one)
     warmup = o.warmup_steps if o.warmup_steps is not None else \
         int(o.warmup_fraction * cfg.train.steps) if cfg.train.steps else 0
     steps = steps or max(150, warmup // 4)
     log_every = max(5, steps // 15)
-    over = [*data_over, f"train.steps={max(100 * steps, 4 * warmup)}",
+    over = [f"train.steps={max(100 * steps, 4 * warmup)}",
             f"optim.warmup_steps={warmup}", f"train.log_every={log_every}",
             "train.eval_every=0", "checkpoint.every=0", "checkpoint.save=false",
             "train.progress=false", "checkpoint.resume=false", f"run.dir={run_dir}",
             f"train.global_batch_size={microbatches * cfg.train.micro_batch_size}",
-            *ONE_GPU_LAYOUT]
+            *one_gpu_overrides(data)]
     return cfg, over, steps, warmup, log_every
 
 
