@@ -1049,9 +1049,7 @@ def run_native(args) -> int:
                   + f"peak {res.get('peak_reserved_gib', float('nan')):5.1f} GiB reserved "
                   f"({row['wall_s']}s, {time.time() - t_all:.0f}s in all)"
                   + (f"  ERROR {err}" if err else ""), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows},
-                                           indent=1))
+            write_rows(args, rows)
     if rank0:
         bases = (("vitgraph+dense+graphs", "vitgraph+dense", "vitgraph+padded+graphs") if vlm
                  else ("timm-naflex+compile", "vitgraph+padded+step-graphs", "vitgraph+padded"))
@@ -1337,9 +1335,6 @@ def run_configs(args) -> int:
         configs = bundled_gpu_configs()
     from vitgraph.config import load_config, task_kind
 
-    def save(rows):
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))
     for path in configs:
         kind = task_kind(load_config(path, ["data.kind=shapes"]))
         # image-text configs (pairs, captions) on the shards, classifiers on the folder
@@ -1349,7 +1344,7 @@ def run_configs(args) -> int:
         row, rows_of, rates = {"config": str(path)}, [], {}
         try:
             row = bench_config(path, data, args.steps, args.window_s, runs, k)
-            save([*rows, row])  # a limit that cuts the bench rows keeps the as-shipped one
+            write_rows(args, [*rows, row])  # kept if a limit cuts the bench rows
             if row["fits"]:  # else its bench rows would not fit either
                 rows_of = config_bench_rows(one_gpu_config(path, data), k, args)
         except Exception as e:
@@ -1387,11 +1382,20 @@ def run_configs(args) -> int:
               f"{row.get('warmup_samples') or 0:,}); its recipe on synthetic input "
               f"{row.get('recipe_images_per_s') or float('nan'):8.1f} img/s"
               + (f"  ERROR {row['error'][-300:]}" if row.get("error") else ""), flush=True)
-        save(rows)
+        write_rows(args, rows)
     return 0
 
 
 # ---------------------------------------------------------------- driver
+
+def write_rows(args, rows: list[dict]) -> None:
+    """``args.out``: the provenance (taken at the first write) and the rows so far, rewritten
+    after each row, so a limit that cuts the run keeps what it measured."""
+    if not hasattr(args, "provenance"):
+        args.provenance = provenance(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"provenance": args.provenance, "rows": rows}, indent=1))
+
 
 def provenance(args) -> dict:
     def ver(mod):
@@ -1648,8 +1652,7 @@ def main() -> int:
                   + (f"  {res['gpu_power_w']:.0f} W, SM {res['gpu_sm_clock_mhz']:.0f} MHz, "
                      f"{res['gpu_power_capped']:.0%} at the power cap" if "gpu_power_w" in res else "")
                   + (f"  ERROR {err}" if err else ""), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"provenance": provenance(args), "rows": rows}, indent=1))
+            write_rows(args, rows)
 
     if rank0:
         print("\nratios against timm+compile (bf16, same micro-batch), else vitgraph eager:")
