@@ -1334,7 +1334,6 @@ def run_configs(args) -> int:
     if [str(c) for c in configs] == ["all"]:
         configs = bundled_gpu_configs()
     from vitgraph.config import load_config, task_kind
-
     for path in configs:
         kind = task_kind(load_config(path, ["data.kind=shapes"]))
         # image-text configs (pairs, captions) on the shards, classifiers on the folder

@@ -274,7 +274,8 @@ def test_a_world_of_one_takes_no_port_and_leaves_the_environment_alone(monkeypat
     from vitgraph.plan import resolve
     if dist.is_initialized():
         shutdown()
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    world_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    for k in world_vars:
         monkeypatch.delenv(k, raising=False)
 
     def no_port(*_):
@@ -284,7 +285,7 @@ def test_a_world_of_one_takes_no_port_and_leaves_the_environment_alone(monkeypat
     try:
         d = init_distributed(plan)
         assert (d.rank, d.world, dist.get_world_size()) == (0, 1, 1)
-        leaked = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} & set(os.environ)
+        leaked = set(world_vars) & set(os.environ)
         assert not leaked, leaked
     finally:
         shutdown()

@@ -45,8 +45,7 @@ def _init_world_of_one(backend: str, device: torch.device | None,
     runs started at once) and nothing written to the environment (RANK, MASTER_PORT ...
     inherited by a child process made it join this world, not one of its own)."""
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device,
-                            **({"timeout": timeout} if timeout is not None else {}))
+                            device_id=device, timeout=timeout)
 
 
 def launched_world_size() -> int:
@@ -81,13 +80,12 @@ def init_distributed(plan: Plan) -> Dist:
         device = torch.device("cpu")
     timeout = collective_timeout(p)
     backend, device_id = ("nccl", device) if cuda else ("gloo", None)
-    if dist.is_initialized():  # a caller's (tests, benchmarks)
-        pass
-    elif torchrun:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device_id)
-    else:
-        _init_world_of_one(backend, device_id, timeout)
+    if not dist.is_initialized():  # else a caller's (tests, benchmarks), kept
+        if torchrun:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device_id)
+        else:
+            _init_world_of_one(backend, device_id, timeout)
     if ps.model_parallel_is_initialized():  # a second Trainer in one process (benchmarks)
         destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tp,
