@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -65,12 +64,12 @@ def make_shards(tmp: str, n: int, size: tuple[int, int], workers: int) -> tuple[
 
 
 def measure(root: str, decode: str, args, device: torch.device) -> dict:
-    from vitgraph.data import MicrobatchLoader, build_datasets, to_model_input
+    from vitgraph.data import DataConfig, MicrobatchLoader, build_datasets, to_model_input
     from vitgraph.data.augment import AugmentConfig, BatchAugment
-    cfg = types.SimpleNamespace(kind="webdataset", path=root, render_size=args.image_size,
-                                workers=args.workers, decode=decode, shuffle_shards=4,
-                                cpu_decode_share=args.cpu_decode_share if decode == "cuda" else 0.0,
-                                num_train=0, num_val=0, num_classes=0, cache_dir=None)
+    cfg = DataConfig(kind="webdataset", path=root, render_size=args.image_size,
+                     workers=args.workers, decode=decode, shuffle_shards=4,
+                     cpu_decode_share=args.cpu_decode_share if decode == "cuda" else 0.0,
+                     cache_dir=None)
     train, _ = build_datasets(cfg, seed=0)
     loader = MicrobatchLoader(train, args.batch, 1, 0, 1, seed=0)
     augment = BatchAugment(AugmentConfig(enabled=True), args.image_size, len(train.classes),

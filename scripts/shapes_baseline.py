@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import math
 import time
-import types
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitgraph.data import MicrobatchLoader, build_datasets, iterate_eval, to_model_input
+from vitgraph.data import (DataConfig, MicrobatchLoader, build_datasets, iterate_eval,
+                           to_model_input)
 
 
 class TinyViT(nn.Module):
@@ -80,10 +80,9 @@ def main():
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    cfg = types.SimpleNamespace(kind="shapes", path=None, num_train=args.num_train,
-                                num_val=args.num_val, render_size=args.render_size,
-                                num_classes=args.num_classes, cache_dir=args.cache_dir,
-                                workers=args.workers)
+    cfg = DataConfig(kind="shapes", num_train=args.num_train, num_val=args.num_val,
+                     render_size=args.render_size, num_classes=args.num_classes,
+                     cache_dir=args.cache_dir, workers=args.workers, seed=None)
     t0 = time.time()
     train, val = build_datasets(cfg, args.seed)
     print(f"data: {len(train)} train + {len(val)} held-out images, {len(train.classes)} "

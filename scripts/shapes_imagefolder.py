@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -34,12 +33,13 @@ def write_shapes_imagefolder(out: str, num_train: int = 50000, num_val: int = 20
                              cache_dir: str | None = "~/.cache/vitgraph") -> dict[str, int]:
     """Write both splits under ``out``; returns {"train": n, "val": n}. ``cache_dir`` None
     draws the data without touching the dataset cache."""
+    from vitgraph.data import DataConfig
     from vitgraph.data.shapes import build_shapes
     if fmt not in ("png", "jpg"):
         raise ValueError(f"format {fmt!r}: png | jpg")
-    cfg = types.SimpleNamespace(num_train=num_train, num_val=num_val, num_classes=num_classes,
-                                render_size=render_size, seed=seed, workers=max(1, workers),
-                                cache_dir=cache_dir, cache_max_mb=1024)
+    cfg = DataConfig(num_train=num_train, num_val=num_val, num_classes=num_classes,
+                     render_size=render_size, seed=seed, workers=max(1, workers),
+                     cache_dir=cache_dir)
     train, val = build_shapes(cfg, seed)
     # a few fixed noise fields, reused: drawing fresh noise per image would hold the GIL
     noise_fields = []

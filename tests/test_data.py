@@ -4,24 +4,23 @@ import os
 import re
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from vitgraph.data import (DataError, ImageDataset, MicrobatchLoader, build_datasets,
-                           iterate_eval, to_model_input)
+from vitgraph.data import (DataConfig, DataError, ImageDataset, MicrobatchLoader,
+                           build_datasets, iterate_eval, to_model_input)
 from vitgraph.data import shapes
 from conftest import ROOT
 
 
 def shapes_cfg(**kw):
     base = dict(kind="shapes", path=None, num_train=256, num_val=128, render_size=32,
-                num_classes=10, cache_dir=None, workers=1)
+                num_classes=10, cache_dir=None, workers=1, seed=None)
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return DataConfig(**base)
 
 
 @pytest.fixture(scope="module")
@@ -213,10 +212,10 @@ def folder(tmp_path):
 
 
 def folder_cfg(root, **kw):
-    base = dict(kind="imagefolder", path=str(root), num_train=0, num_val=0, render_size=8,
-                num_classes=2, cache_dir=None, workers=1)
+    base = dict(kind="imagefolder", path=str(root), render_size=8, num_classes=2,
+                cache_dir=None, workers=1, decode="cpu")
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return DataConfig(**base)
 
 
 def test_imagefolder(folder):
@@ -426,8 +425,8 @@ def test_imagefolder_cuda_decode_resumes_at_the_same_files(folder):
 
 def test_imagefolder_decode_setting_is_resolved_and_checked(folder):
     from vitgraph.data.imagefolder import imagefolder_decode
-    assert imagefolder_decode(folder_cfg(folder, decode="auto")) == "cpu"  # preloaded
-    assert imagefolder_decode(folder_cfg(folder, decode="auto", preload=False)) == (
+    assert imagefolder_decode("auto", preload=True) == "cpu"  # preloaded
+    assert imagefolder_decode("auto", preload=False) == (
         "cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(DataError, match="needs data.preload=false"):
         build_datasets(folder_cfg(folder, decode="cuda"), seed=0)
@@ -437,17 +436,17 @@ def test_imagefolder_decode_setting_is_resolved_and_checked(folder):
 
 
 PRELOAD_AFTER_HANDLERS = """
-import os, signal, sys, time, types
+import os, signal, sys, time
 sys.path.insert(0, {root!r})
-from vitgraph.data import build_datasets
+from vitgraph.data import DataConfig, build_datasets
 # what preemption installs before start-up: SIGTERM only sets a flag
 signal.signal(signal.SIGTERM, lambda *a: None)
 signal.signal(signal.SIGUSR1, lambda *a: None)
 def no_fork(*a, **k):
     raise AssertionError("the ImageFolder reader forked a process")
 os.fork = no_fork
-cfg = types.SimpleNamespace(kind="imagefolder", path={path!r}, render_size=8, workers=4,
-                            preload=True, decode="auto", num_classes=2, cache_dir=None)
+cfg = DataConfig(kind="imagefolder", path={path!r}, render_size=8, workers=4,
+                 preload=True, decode="auto", num_classes=2, cache_dir=None)
 for _ in range(20):
     train, val = build_datasets(cfg, seed=0)
 print("ok", len(train), len(val))
@@ -915,8 +914,8 @@ def test_shapes_imagefolder_holds_the_shapes_pixels(tmp_path):
                                       workers=2, cache_dir=None)
     assert counts == {"train": 40, "val": 12}
     _, val = build_datasets(shapes_cfg(num_train=40, num_val=12, seed=3, cache_dir=None), seed=0)
-    folder = build_datasets(types.SimpleNamespace(kind="imagefolder", path=str(tmp_path / "f"),
-                                                  render_size=32, workers=1), seed=0)[1]
+    folder = build_datasets(DataConfig(kind="imagefolder", path=str(tmp_path / "f"),
+                                       render_size=32, workers=1, decode="cpu"), seed=0)[1]
     assert sorted(folder.labels.tolist()) == sorted(val.labels.tolist())
     for path in (tmp_path / "f" / "val").rglob("*.png"):
         i = int(path.stem)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vitgraph.data import (DataError, build_datasets, iterate_eval_packs, native_size_sample,
-                           pack_inputs)
+from vitgraph.data import (DataConfig, DataError, build_datasets, iterate_eval_packs,
+                           native_size_sample, pack_inputs)
 from vitgraph.data import shapes
 from vitgraph.data.augment import AugmentConfig, _colour
 from vitgraph.data.decode import (EncodedPack, crop_box, finish_pack_on_device, header_size,
@@ -276,7 +276,7 @@ def shapes_cfg(**kw):
     base = dict(kind="shapes", num_train=300, num_val=60, render_size=32, num_classes=10,
                 cache_dir=None, workers=1, seed=0)
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return DataConfig(**base)
 
 
 def test_shapes_native_sizes_vary_and_are_deterministic():
@@ -350,7 +350,7 @@ def folder_cfg(root, **kw):
     base = dict(kind="imagefolder", path=str(root), render_size=8, num_classes=2,
                 cache_dir=None, workers=2, decode="cpu")
     base.update(kw)
-    return types.SimpleNamespace(**base)
+    return DataConfig(**base)
 
 
 def test_header_sizes_match_pil(tmp_path):

@@ -357,7 +357,7 @@ _SENTENCE_END = re.compile(r"(?<!\bal)(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)\.
 
 
 def _cache(args) -> int:
-    from vitgraph.config import DataConfig
+    from vitgraph.data import DataConfig
     from vitgraph.data.shapes import cache_files
     cache_dir = os.path.expanduser(args.dir or DataConfig().cache_dir)
     files = cache_files(cache_dir)

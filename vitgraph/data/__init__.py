@@ -7,6 +7,7 @@ gives ``NativeDataset``s, which ``PackedLoader`` and ``iterate_eval_packs`` pack
 sequence and ``pack_inputs`` turns into model inputs (vitgraph/data/native.py).
 """
 
+from vitgraph.data.config import DataConfig, PackingConfig
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import EncodedImages, resolve_decode
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
@@ -24,15 +25,12 @@ from vitgraph.data.shards import native_size_sample as _shards_sizes
 SIZE_SAMPLE = 512  # images whose sizes estimate a native dataset's mean image
 
 
-def build_datasets(data_cfg, seed: int, native: bool = False) -> tuple:
+def build_datasets(data_cfg: DataConfig, seed: int, native: bool = False) -> tuple:
     """(train, held-out) for ``data_cfg.kind`` ("shapes" | "imagefolder" | "webdataset") and
     run seed ``seed``: ``ImageDataset``s, or with ``native`` (data.resolution=native)
     ``NativeDataset``s: shapes drawn at varied sizes and aspect ratios, an ImageFolder or
     WebDataset shards read at their images' own sizes (decoded per step: data.preload does not
     apply).
-
-    ``data_cfg`` is duck-typed: kind, path, num_train, num_val, render_size, num_classes,
-    cache_dir, workers.
     """
     if data_cfg.kind == "shapes":
         return build_shapes(data_cfg, seed, native=native)
@@ -40,19 +38,19 @@ def build_datasets(data_cfg, seed: int, native: bool = False) -> tuple:
         return (build_imagefolder_native if native else build_imagefolder)(data_cfg, seed)
     if data_cfg.kind == "webdataset":
         train, val = (build_webdataset_native if native else build_webdataset)(data_cfg, seed)
-        train.images.shuffle_shards = getattr(data_cfg, "shuffle_shards", 4)
+        train.images.shuffle_shards = data_cfg.shuffle_shards
         return train, val
     raise DataError(f"unknown data.kind {data_cfg.kind!r} (expected 'shapes', 'imagefolder' "
                     "or 'webdataset')")
 
 
-def decode_line(data_cfg, native: bool = False, cuda: bool = False) -> str:
+def decode_line(data_cfg: DataConfig, native: bool = False, cuda: bool = False) -> str:
     """How the run's image files are decoded, and why (the start-up log's data line); "" for
     the shapes, drawn rather than decoded. ``cuda``: whether the run has a GPU."""
     if data_cfg.kind == "shapes":
         return ""
-    asked = getattr(data_cfg, "decode", "cpu")
-    if data_cfg.kind == "imagefolder" and getattr(data_cfg, "preload", True) and not native:
+    asked = data_cfg.decode
+    if data_cfg.kind == "imagefolder" and data_cfg.preload and not native:
         return "decoded up front on the CPU (data.preload=true)"
     got = resolve_decode(asked)
     if asked != "auto":
@@ -63,12 +61,12 @@ def decode_line(data_cfg, native: bool = False, cuda: bool = False) -> str:
         why = "data.decode=auto: " + ("torchvision's nvJPEG missing" if cuda else "no GPU")
     if got == "cpu":
         return f"decoded on the CPU in {data_cfg.workers} threads ({why})"
-    share = getattr(data_cfg, "cpu_decode_share", 0.0)
+    share = data_cfg.cpu_decode_share
     return (f"decoded by nvJPEG on the GPU ({why})"
             + (f", {share:.0%} on the CPU (data.cpu_decode_share)" if share else ""))
 
 
-def native_size_sample(data_cfg, seed: int, n: int = SIZE_SAMPLE):
+def native_size_sample(data_cfg: DataConfig, seed: int, n: int = SIZE_SAMPLE):
     """(h, w) int64 [<= n, 2] of training images spread over ``data_cfg``'s native dataset,
     without decoding a pixel (shapes: drawn from its seed; imagefolder: the files' headers;
     webdataset: index.json, headers at its offsets or the sizes cache). DataError where that
@@ -86,7 +84,7 @@ def native_size_sample(data_cfg, seed: int, n: int = SIZE_SAMPLE):
     return sizes
 
 
-__all__ = ["DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader", "NativeDataset",
-           "PackedLoader", "SHAPES_CLASSES", "build_datasets", "decode_line", "images_per_pack",
+__all__ = ["DataConfig", "DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader",
+           "NativeDataset", "PackedLoader", "PackingConfig", "SHAPES_CLASSES", "build_datasets", "decode_line", "images_per_pack",
            "iterate_eval", "iterate_eval_packs", "native_size_sample", "pack_fill", "pack_inputs",
            "pack_spec", "size_tokens", "to_model_input"]

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from vitgraph.data.config import DataConfig
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, for_device,
                                   load_image, read_size, resolve_decode)
@@ -184,28 +185,29 @@ def read_split(root: str, split: str, classes: list[str], render_size: int,
                         torch.tensor(keep, dtype=torch.int64), list(classes), None)
 
 
-def build_imagefolder(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
+def build_imagefolder(data_cfg: DataConfig, seed: int) -> tuple[ImageDataset, ImageDataset]:
     """(train, val) from ``data_cfg.path``. The folder decides the classes and sizes:
     num_classes, num_train and num_val are not used, nor is ``seed`` (decoding is
     deterministic)."""
+    root, classes = _root_and_classes(data_cfg)
+    args = (classes, data_cfg.render_size, data_cfg.workers, data_cfg.preload,
+            imagefolder_decode(data_cfg.decode, data_cfg.preload), data_cfg.cpu_decode_share)
+    return read_split(root, "train", *args), read_split(root, "val", *args)
+
+
+def _root_and_classes(data_cfg: DataConfig) -> tuple[str, list]:
+    """data.path of an ImageFolder run, checked, and the classes its train/ holds."""
     root = data_cfg.path
     if not root:
         raise DataError("data.path must name the image folder root for kind=imagefolder")
     if not os.path.isdir(root):
         raise DataError(f"image folder root not found: {root}")
-    classes = list_classes(os.path.join(root, "train"))
-    preload = getattr(data_cfg, "preload", True)
-    decode = imagefolder_decode(data_cfg)
-    args = (classes, data_cfg.render_size, data_cfg.workers, preload, decode,
-            getattr(data_cfg, "cpu_decode_share", 0.0))
-    return read_split(root, "train", *args), read_split(root, "val", *args)
+    return root, list_classes(os.path.join(root, "train"))
 
 
-def imagefolder_decode(data_cfg) -> str:
+def imagefolder_decode(decode: str, preload: bool) -> str:
     """Where an ImageFolder run decodes: ``data.decode`` with auto resolved (nvJPEG when a GPU
     and torchvision are there); a preloaded folder is decoded up front on the CPU."""
-    decode = getattr(data_cfg, "decode", "cpu")
-    preload = getattr(data_cfg, "preload", True)
     if decode == "cuda" and preload:
         raise DataError("data.decode=cuda decodes each batch on the GPU as it is drawn: it "
                         "needs data.preload=false (a preloaded folder is decoded up front)")
@@ -248,7 +250,7 @@ def read_split_native(root: str, split: str, classes: list[str], workers: int = 
                          list(classes), None)
 
 
-def native_size_sample(data_cfg, n: int) -> np.ndarray:
+def native_size_sample(data_cfg: DataConfig, n: int) -> np.ndarray:
     """(h, w) of at most ``n`` training images spread over the folder (in class order), from
     their headers; files whose header does not read are left out."""
     root = data_cfg.path or ""
@@ -259,19 +261,11 @@ def native_size_sample(data_cfg, n: int) -> np.ndarray:
     return np.delete(sizes, sorted(bad), axis=0)
 
 
-def build_imagefolder_native(data_cfg, seed: int):
+def build_imagefolder_native(data_cfg: DataConfig, seed: int):
     """(train, val) ``NativeDataset``s from ``data_cfg.path``, each image at its own size.
     Decoded per step whatever data.preload says (a folder held decoded at every image's own
     size would not be the small one preloading is for); data.decode resolved as for a folder
     that is not preloaded."""
-    import types
-    root = data_cfg.path
-    if not root:
-        raise DataError("data.path must name the image folder root for kind=imagefolder")
-    if not os.path.isdir(root):
-        raise DataError(f"image folder root not found: {root}")
-    classes = list_classes(os.path.join(root, "train"))
-    decode = imagefolder_decode(types.SimpleNamespace(decode=getattr(data_cfg, "decode", "cpu"),
-                                                      preload=False))
-    args = (classes, data_cfg.workers, decode)
+    root, classes = _root_and_classes(data_cfg)
+    args = (classes, data_cfg.workers, imagefolder_decode(data_cfg.decode, preload=False))
     return read_split_native(root, "train", *args), read_split_native(root, "val", *args)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from vitgraph.data.config import DataConfig
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.native import ArrayImages, NativeDataset, spread
 
@@ -603,17 +604,17 @@ def load_or_generate_native(split: str, num: int, seed: int, num_classes: int,
         cache_max_mb)
 
 
-def native_size_sample(data_cfg, seed: int, n: int) -> np.ndarray:
+def native_size_sample(data_cfg: DataConfig, seed: int, n: int) -> np.ndarray:
     """(h, w) of ``n`` training images of the native shapes data (spread over the split), from
     its seed alone: ``native_sizes`` draws them before any pixel (the seed as ``build_shapes``
     takes it)."""
-    data_seed = getattr(data_cfg, "seed", None)
+    data_seed = data_cfg.seed
     seed = seed if data_seed is None else data_seed
     sizes = native_sizes(data_cfg.num_train, split_seed(seed, "train"), data_cfg.render_size)
     return sizes[spread(len(sizes), n)]
 
 
-def build_shapes(data_cfg, seed: int, native: bool = False):
+def build_shapes(data_cfg: DataConfig, seed: int, native: bool = False):
     """(train, held-out) datasets of the shapes task: ``data_cfg.seed``'s data, or run seed
     ``seed``'s when that is None. ImageDatasets of render_size squares, or with ``native``
     NativeDatasets (each image its own size and aspect ratio, ``native_sizes``)."""
@@ -622,7 +623,7 @@ def build_shapes(data_cfg, seed: int, native: bool = False):
                         f"{len(CLASSES)} classes ({', '.join(CLASSES)})")
     # data.seed fixes the dataset whatever the run seed, so runs that differ only in
     # train.seed share one cached dataset; null derives the data from the run seed
-    data_seed = getattr(data_cfg, "seed", None)
+    data_seed = data_cfg.seed
     seed = seed if data_seed is None else data_seed
     load = load_or_generate_native if native else load_or_generate
     out = []
@@ -630,12 +631,12 @@ def build_shapes(data_cfg, seed: int, native: bool = False):
         *arrays, labels, captions = load(
             split, num, seed, data_cfg.num_classes, data_cfg.render_size,
             data_cfg.workers, data_cfg.cache_dir and os.path.expanduser(data_cfg.cache_dir),
-            getattr(data_cfg, "cache_max_mb", 1024))
-        form = CAPTION_FORMS.get(getattr(data_cfg, "captions", "full"))
+            data_cfg.cache_max_mb)
+        form = CAPTION_FORMS.get(data_cfg.captions)
         if form is not None:
             captions = [form(c) for c in captions]
         variants = None
-        if split == "train" and getattr(data_cfg, "caption_dropout", 0.0) > 0:
+        if split == "train" and data_cfg.caption_dropout > 0:
             variants = [caption_variants(c) for c in captions]  # the task draws among them
         labels = torch.from_numpy(labels.astype(np.int64))
         pixels = torch.from_numpy(np.ascontiguousarray(arrays[0]))

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from vitgraph.data.config import DataConfig
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, decode_image,
                                   for_device, read_size, resolve_decode)
@@ -172,22 +173,22 @@ def _split_samples(root: str, split: str, classes: list[str] | None):
     return paths, entries, labels, captions if has_txt else None, hws, list(classes)
 
 
-def _shards_root(data_cfg) -> tuple[str, str]:
+def _shards_root(data_cfg: DataConfig) -> tuple[str, str]:
     """data.path and the decode device of a webdataset run, checked."""
     root = data_cfg.path
     if not root or not os.path.isdir(root):
         raise DataError(f"data.kind=webdataset: data.path must name a folder of train-*.tar / "
                         f"val-*.tar shards, got {root!r}")
-    decode = resolve_decode(getattr(data_cfg, "decode", "cpu"))
+    decode = resolve_decode(data_cfg.decode)
     if decode == "cuda" and not torch.cuda.is_available():
         raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
     return root, decode
 
 
-def build_webdataset(data_cfg, seed: int) -> tuple[ImageDataset, ImageDataset]:
+def build_webdataset(data_cfg: DataConfig, seed: int) -> tuple[ImageDataset, ImageDataset]:
     """(train, val) from ``data_cfg.path``'s ``train-*.tar`` / ``val-*.tar`` shards."""
     root, decode = _shards_root(data_cfg)
-    share = getattr(data_cfg, "cpu_decode_share", 0.0)
+    share = data_cfg.cpu_decode_share
     train = read_shard_split(root, "train", data_cfg.render_size, data_cfg.workers, decode,
                              cpu_share=share)
     val = read_shard_split(root, "val", data_cfg.render_size, data_cfg.workers, decode,
@@ -267,7 +268,7 @@ def read_shard_split_native(root: str, split: str, workers: int, decode: str,
                          classes, [captions[i] for i in keep] if captions else None)
 
 
-def native_size_sample(data_cfg, n: int) -> np.ndarray:
+def native_size_sample(data_cfg: DataConfig, n: int) -> np.ndarray:
     """(h, w) of at most ``n`` training samples spread over the shards, where that is cheap:
     index.json's ``hw``, else the members' headers at its offsets, else the sizes cache of
     an earlier run (``member_sizes``). DataError when none of these is there: the sizes would
@@ -282,7 +283,7 @@ def native_size_sample(data_cfg, n: int) -> np.ndarray:
             sizes, _ = read_sizes(len(pick), lambda j: _member_size(
                 paths[entries[pick[j]][0]], *entries[pick[j]][1:]), data_cfg.workers)
         return sizes[(sizes > 0).all(1)]
-    cache = _sizes_cache(getattr(data_cfg, "cache_dir", None), split_shards(root, "train"),
+    cache = _sizes_cache(data_cfg.cache_dir, split_shards(root, "train"),
                          "train")
     if cache and os.path.isfile(cache):
         try:
@@ -296,11 +297,11 @@ def native_size_sample(data_cfg, n: int) -> np.ndarray:
                     "every tar header of the train split")
 
 
-def build_webdataset_native(data_cfg, seed: int):
+def build_webdataset_native(data_cfg: DataConfig, seed: int):
     """(train, val) ``NativeDataset``s from ``data_cfg.path``'s shards, each image at its own
     size (decoded in the loader's threads, or by nvJPEG with data.decode=cuda)."""
     root, decode = _shards_root(data_cfg)
-    cache = getattr(data_cfg, "cache_dir", None)
+    cache = data_cfg.cache_dir
     train = read_shard_split_native(root, "train", data_cfg.workers, decode, cache_dir=cache)
     val = read_shard_split_native(root, "val", data_cfg.workers, decode, train.classes,
                                   cache_dir=cache)
