@@ -127,14 +127,14 @@ def transformer_config(plan, model_cfg, d) -> TransformerConfig:
         attention_dropout=model_cfg.attention_dropout,
         # (not under FSDP: its gradients are sharded DTensors, TE's fused wgrad writes main_grad)
         gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion and d.cuda
-        and plan.spec == "te" and not getattr(plan, "fsdp", False),
+        and plan.spec == "te" and not plan.fsdp,
         tensor_model_parallel_size=d.tp, pipeline_model_parallel_size=d.pp,
         virtual_pipeline_model_parallel_size=d.vpp if d.vpp > 1 else None,
         sequence_parallel=plan.sequence_parallel,
         fp8="hybrid" if fp8 else None, fp8_recipe=FP8_RECIPES[fp8] if fp8 else "delayed",
         fp8_amax_history_len=1024 if fp8 == "delayed" else 1,
         fp8_amax_compute_algo="max",
-        **recompute_kwargs(getattr(plan, "recompute", None)),
+        **recompute_kwargs(plan.recompute),
         **plan.p2p,
     )
 
@@ -146,7 +146,7 @@ def build_model(plan, model_cfg, d, num_classes: int, seed: int) -> list[ViT]:
     the images of a pack as attention segments (thd), or with ``pack.padded`` each image in a
     slot of max_len tokens with a key mask (data.packing.layout)."""
     config = transformer_config(plan, model_cfg, d)
-    pack = getattr(plan, "pack", None)
+    pack = plan.pack
     # the padding mask costs a little in attention: only layers that may see padding get it
     # (eval batches of other sizes are filled up instead: vitgraph.train.evaluate). A thd
     # pack needs none (megatron asks TE for its padding mask type itself)
@@ -162,7 +162,7 @@ def build_model(plan, model_cfg, d, num_classes: int, seed: int) -> list[ViT]:
                     distill_token=model_cfg.distill_token, pool=model_cfg.pool, pre_process=first, post_process=last,
                     vp_stage=vp if d.vpp > 1 else None,
                     pad_to=plan.token_padding if plan.pads else None, pack=pack,
-                    pos_interp=getattr(plan, "pos_interp", "bicubic"))
+                    pos_interp=plan.pos_interp)
         init_weights(chunk, seed, tp_rank=d.tp_rank, tp_size=d.tp)
         chunks.append(chunk)
     return chunks

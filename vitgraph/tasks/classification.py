@@ -40,7 +40,7 @@ class ClassificationTask(Task):
         self.image_size = self.arch.image_size
         self.augment = None
         self.pack_augment = None  # native resolution: a pack's per-image augmentation
-        self.pack = getattr(plan, "pack", None)
+        self.pack = plan.pack
         self.teacher = None
         self._teacher_out = {}  # key -> the teacher's logits (this step's, vpp > 1)
 

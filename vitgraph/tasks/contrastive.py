@@ -84,7 +84,7 @@ class ContrastiveTask(Task):
         self.loss_name = plan.contrastive.loss
         self.augment = None
         self.classes: list[str] = []
-        self.pack = getattr(plan, "pack", None)
+        self.pack = plan.pack
         self.text_flops = 0.0  # one caption through the text tower
 
     def attach(self, train_set, val_set) -> None:
@@ -117,7 +117,7 @@ class ContrastiveTask(Task):
                            init_logit_bias=bias, fused_norm=plan.fused_norm,
                            drop_path_rate=plan.model.drop_path_rate,
                            # the image tower takes packs (its text tower is as ever)
-                           pack=self.pack, pos_interp=getattr(plan, "pos_interp", "bicubic"))
+                           pack=self.pack, pos_interp=plan.pos_interp)
         v, t = self.arch.vision, self.arch.text
         n_text = sum(p.numel() for p in model.text.parameters()) - t.vocab_size * t.hidden_size
         n_image = sum(p.numel() for p in model.visual.parameters())
