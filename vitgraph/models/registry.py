@@ -138,10 +138,7 @@ CLIP_MODELS: dict[str, CLIPArch] = {
     "siglip_tiny_patch4_32": CLIPArch(64, _arch(64, 4, 4, 4, 32),
                                       _text(64, 4, 4, vocab=259, context=128, causal=False,
                                             pool="last", proj_bias=True),
-                                      activation="gelu_tanh", layernorm_epsilon=1e-6,
-                                      class_token=False, vision_pool="map", ln_pre=False,
-                                      patch_bias=True, init_logit_scale=math.log(10),
-                                      init_logit_bias=-10.0, pos_interp="bilinear"),
+                                      **_SIGLIP),
     # OpenAI CLIP sizes (QuickGELU, as its released weights were trained)
     "clip_vit_b16": CLIPArch(512, _arch(768, 12, 12, 16, 224), _text(512, 12, 8),
                              activation="quick_gelu"),
@@ -155,10 +152,7 @@ CLIP_MODELS: dict[str, CLIPArch] = {
     "siglip_vit_b16": CLIPArch(768, _arch(768, 12, 12, 16, 224),
                                _text(768, 12, 12, vocab=32000, context=64, causal=False,
                                      pool="last", proj_bias=True),
-                               activation="gelu_tanh", layernorm_epsilon=1e-6,
-                               class_token=False, vision_pool="map", ln_pre=False,
-                               patch_bias=True, init_logit_scale=math.log(10),
-                               init_logit_bias=-10.0, pos_interp="bilinear"),
+                               **_SIGLIP),
     # SigLIP so400m/14 (HF google/siglip-so400m-patch14-224 and -384; open_clip
     # ViT-SO400M-14-SigLIP(-384)): the 1152-wide towers, MLP 4304, 16 text positions at 224
     "siglip_so400m_patch14_224": CLIPArch(1152, ViTArch(1152, 27, 16, 4304, 14, 224),

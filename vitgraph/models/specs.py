@@ -153,9 +153,13 @@ class _DropPath:
     """Stochastic depth for a TransformerLayer: ``drop_path`` is the layer's rate, by its
     global ``layer_number`` (megatron adds the pipeline / virtual-stage offset)."""
 
-    def _init_drop_path(self, rate: float) -> None:
-        self.drop_path = (drop_path_rates(rate, self.config.num_layers)[self.layer_number - 1]
-                          if rate else 0.0)
+    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
+                 pg_collection=None, vp_stage=None, drop_path_rate: float = 0.0):
+        super().__init__(config, submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
+                         vp_stage=vp_stage)
+        self.drop_path = (drop_path_rates(drop_path_rate, self.config.num_layers)
+                          [self.layer_number - 1] if drop_path_rate else 0.0)
 
     def _draw_keep(self, hidden: torch.Tensor, packed_seq_params=None):
         """None (eval, or a rate of 0), else the factors of the attention and the MLP branch,
@@ -190,12 +194,8 @@ class DropPathLayer(_DropPath, TransformerLayer):
     each bias-dropout-add computes ``residual + keep * dropout(x + bias)``; in eval mode, or
     in a layer of rate 0 (the first), it is megatron's own."""
 
-    def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
-                 pg_collection=None, vp_stage=None, drop_path_rate: float = 0.0):
-        super().__init__(config, submodules, layer_number=layer_number,
-                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
-                         vp_stage=vp_stage)
-        self._init_drop_path(drop_path_rate)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._keep = None
         if self.drop_path:
             self.self_attn_bda = functools.partial(self._bda, 0)
@@ -250,10 +250,8 @@ class ResidualNormLayer(_DropPath, TransformerLayer):
 
     def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None,
                  pg_collection=None, vp_stage=None, drop_path_rate: float = 0.0):
-        super().__init__(config, submodules, layer_number=layer_number,
-                         hidden_dropout=hidden_dropout, pg_collection=pg_collection,
-                         vp_stage=vp_stage)
-        self._init_drop_path(drop_path_rate)
+        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection,
+                         vp_stage, drop_path_rate)
         self.norms = (self.self_attention.linear_qkv, self.mlp.linear_fc1)
         for linear in self.norms:
             linear.normalize = False
