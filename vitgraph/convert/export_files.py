@@ -89,7 +89,7 @@ def timm_config(name: str, arch, model_cfg, num_classes: int,
                 classes: list[str] | None) -> dict:
     """timm's ``config.json`` for a ``VisionTransformer`` with these sizes (with
     model.distill_token: DeiT's ``VisionTransformerDistilled``)."""
-    distilled = getattr(model_cfg, "distill_token", False)
+    distilled = model_cfg.distill_token
     if distilled and model_cfg.num_registers:
         raise ConvertError("timm's distilled ViT (VisionTransformerDistilled) has no register "
                            "tokens: this run has a distillation token and registers")

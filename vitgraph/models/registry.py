@@ -180,7 +180,7 @@ def resolve_clip_arch(model_cfg) -> CLIPArch:
 
 def resolve_pos_interp(model_cfg) -> str:
     """model.pos_interp with auto resolved: the pair's (bilinear for SigLIP), else bicubic."""
-    mode = getattr(model_cfg, "pos_interp", "auto")
+    mode = model_cfg.pos_interp
     if mode != "auto":
         return mode
     if model_cfg.name in CLIP_MODELS:
