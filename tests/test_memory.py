@@ -36,12 +36,13 @@ def g14():
 
 def test_meta_count_is_the_built_models(tiny):
     from vitgraph.config import load_config
+    from vitgraph.data import class_count
     from vitgraph.memory import SINGLE, single_process_chunks
     from vitgraph.parallel.setup import shutdown
     cfg = load_config(TINY, ["model.spec=torch", *SINGLE])
     cfg.train.global_batch_size = cfg.train.micro_batch_size
-    try:
-        chunks, _ = single_process_chunks(cfg, 1000)
+    try:  # the plan's head: the data's 10 classes (data.num_classes), not 1000
+        chunks, _ = single_process_chunks(cfg, class_count(cfg.data))
         real = [(p.numel(), p.requires_grad) for p in chunks[0].parameters()]
     finally:
         shutdown()

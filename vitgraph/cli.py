@@ -245,18 +245,6 @@ def _models() -> int:
     return 0
 
 
-def _class_count(data) -> int:
-    """A classifier head's size as training would find it, without reading the images."""
-    from pathlib import Path as P
-    if data.kind == "imagefolder":
-        from vitgraph.data.imagefolder import list_classes
-        return len(list_classes(str(P(data.path).expanduser() / "train")))
-    if data.kind == "webdataset":
-        from vitgraph.data.shards import _split_samples
-        return len(_split_samples(str(P(data.path).expanduser()), "train", None)[5])
-    return data.num_classes
-
-
 def _params(args) -> int:
     """`vitgraph params`: the model of a config, built as training builds it, one line per
     parameter. At one process and tp = pp = 1: the names are the global ones that model.freeze
@@ -264,7 +252,7 @@ def _params(args) -> int:
     if "torch" not in sys.modules:  # nothing here needs a GPU: stay off it
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from vitgraph.config import ConfigError, load_config
-    from vitgraph.data import DataError
+    from vitgraph.data import DataError, class_count
     from vitgraph.memory import SINGLE, single_process_chunks
     try:
         cfg = load_config(args.config, [*args.overrides, *SINGLE])
@@ -276,7 +264,7 @@ def _params(args) -> int:
     from vitgraph.plan import lr_rules
     from vitgraph.train.optim import _no_decay, lr_scales
     try:
-        chunks, _ = single_process_chunks(cfg, cfg.model.num_classes or _class_count(cfg.data))
+        chunks, _ = single_process_chunks(cfg, cfg.model.num_classes or class_count(cfg.data))
         scales = lr_scales(chunks, cfg.optim.layer_decay, lr_rules(cfg))
         names = global_names(chunks[0])
         rows = [(names[id(p)], "x".join(map(str, p.shape)) or "scalar", p.numel(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import tempfile
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,14 +42,16 @@ class ModelConfig:
     # auto (te when CUDA and TE are present, else torch)
     spec: str = key("auto", choices=("auto", "te", "torch"))
     # None: take the registry's value
-    image_size: Optional[int] = None
-    patch_size: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_layers: Optional[int] = None
-    num_heads: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-    num_classes: Optional[int] = None  # None: the dataset's class count
-    num_registers: int = 0
+    image_size: Optional[int] = key(None, above=0)
+    patch_size: Optional[int] = key(None, above=0)
+    hidden_size: Optional[int] = key(None, above=0)
+    num_layers: Optional[int] = key(None, above=0)
+    num_heads: Optional[int] = key(None, above=0)
+    ffn_hidden_size: Optional[int] = key(None, above=0)
+    # a classifier's head; None: the dataset's class count. Fewer than the data's classes
+    # leave labels without an output (checked against the data: _validate_classes)
+    num_classes: Optional[int] = key(None, above=0)
+    num_registers: int = key(0, min=0)
     class_token: bool = True
     # DeiT's distillation token: a second prefix token after the class token with a head of
     # its own (head_dist). With train.distill.teacher the class head takes the task's loss and
@@ -60,8 +63,8 @@ class ModelConfig:
     # data.resolution=native: how the learned position grid is resampled to each image's
     # patch grid (F.grid_sample per token); auto: bilinear for SigLIP towers, else bicubic
     pos_interp: str = key("auto", choices=("auto", "bicubic", "bilinear"))
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    hidden_dropout: float = key(0.0, min=0, below=1)
+    attention_dropout: float = key(0.0, min=0, below=1)
     # stochastic depth (DeiT): each sample skips a layer's attention and MLP branches with a
     # probability rising linearly over the global layer index, from 0 at the first layer to
     # this at the last; survivors are scaled by 1 / (1 - p)
@@ -75,11 +78,11 @@ class ModelConfig:
     freeze: Optional[list] = key(
         None, check=lambda v, _: all(isinstance(x, str) and x for x in v),
         why="a list of parameter-name patterns (strings)")
-    layernorm_epsilon: float = 1e-6
+    layernorm_epsilon: float = key(1e-6, above=0)
     # std of the normal init of the linears (megatron's init_method_std); output layers get
     # std / sqrt(2 * num_layers). 0.02 suits widths of hundreds; narrow models learn faster
     # with ~1/sqrt(width)
-    init_std: float = 0.02
+    init_std: float = key(0.02, above=0)
     # TE spec on GPU: weight-gradient GEMMs accumulate straight into megatron DDP's fp32
     # main_grad (no per-parameter accumulation hook work); ignored by the torch spec
     gradient_accumulation_fusion: bool = True
@@ -120,6 +123,9 @@ def _validate_model(m: ModelConfig, err):
 
 def _validate_data(d: DataConfig, err) -> None:
     """data.*: its keys against each other (the folders: ``_validate_data_path``)."""
+    if d.path and d.kind == "shapes":  # the shapes are drawn, not read: data.path unused
+        err("data.path", d.path, "unused: data.kind=shapes draws the embedded data; set "
+            "data.kind=imagefolder or data.kind=webdataset to train on this folder")
     if d.cpu_decode_share and (d.kind not in ("webdataset", "imagefolder") or d.decode == "cpu"
                                or d.resolution == "native"
                                or (d.kind == "imagefolder" and d.preload)):
@@ -159,12 +165,13 @@ def _validate_data_path(d: DataConfig, err) -> None:
 @dataclass
 class OptimConfig:
     lr: float = key(1e-3, above=0)
-    min_lr: float = 1e-5
-    weight_decay: float = 0.05
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
+    # the cosine schedule's floor (megatron's scheduler asserts min_lr <= lr)
+    min_lr: float = key(1e-5, min=0, check=lambda v, o: v <= o.lr, why="must be <= optim.lr")
+    weight_decay: float = key(0.05, min=0)
+    beta1: float = key(0.9, min=0, below=1)
+    beta2: float = key(0.999, min=0, below=1)
+    eps: float = key(1e-8, above=0)
+    clip_grad: float = key(1.0, min=0)  # 0 disables clipping
     warmup_steps: Optional[int] = key(None, min=0)  # None: warmup_fraction of the run
     warmup_fraction: float = key(0.05, min=0, below=1)
     # layer-wise LR decay (BEiT): the head at lr, encoder layer i (1..L) at
@@ -244,8 +251,8 @@ class TrainConfig:
     # the run's length: exactly one of steps / epochs
     steps: Optional[int] = key(None, above=0, resume_ok=True)
     epochs: Optional[float] = key(None, above=0, resume_ok=True)
-    label_smoothing: float = 0.0
-    seed: int = 1234
+    label_smoothing: float = key(0.0, min=0, below=1)
+    seed: int = key(1234, min=0)  # numpy's generators take no negative seed
     # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | fp8 (TE spec on a GPU: FP8 GEMMs inside
     # the encoder layers, bf16 elsewhere, fp32 master weights in the optimizer as for bf16)
     precision: str = key("auto", choices=("auto", "bf16", "fp32", "fp8"))
@@ -258,7 +265,7 @@ class TrainConfig:
     progress: bool = key(True, resume_ok=True)  # progress bar on rank 0
     tensorboard: bool = key(True, resume_ok=True)
     # bf16 dense matmul rate (measured on the H200) for MFU
-    peak_flops: float = key(790e12, resume_ok=True)
+    peak_flops: float = key(790e12, above=0, resume_ok=True)
     # a step with a non-finite loss or gradient norm is skipped (weights and optimizer state
     # untouched); this many in a row stop the run with an error
     max_bad_steps: int = key(10, min=1, resume_ok=True)
@@ -453,6 +460,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     graphs: GraphsConfig = field(default_factory=GraphsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # where load_config read the values: (the file, dotted key -> the override that set it),
+    # for the checks made after loading (validate_machine); an attribute, not a key
+    origin = ("<config>", {})
 
     @property
     def run_dir(self) -> Path:
@@ -472,8 +482,8 @@ def may_change_on_resume(dotted: str) -> bool:
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
                 data: bool = True) -> Config:
     """Read YAML (merged over its ``base:`` files), apply ``key.sub=value`` overrides,
-    validate what needs no process group. ``data=False``: data.path need not exist (for what
-    reads no data: ``vitgraph plan``).
+    validate what needs no process group. ``data=False``: data.path need not exist, nor CLIP's
+    BPE be installed (for what reads no data: ``vitgraph plan``).
 
     A file may say ``base: other.yaml`` (a path relative to the file; the base may have a
     base of its own): its sections are merged over the base's key by key, mappings merged,
@@ -494,12 +504,26 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
         _check_override(item, dotted, value)
         _set_dotted(raw, dotted, value, f"override {item!r}")
         given[dotted] = item
-        # a duration given on the command line replaces the file's other duration
-        if dotted in ("train.steps", "train.epochs"):
-            _replace_duration(raw, {dotted.split(".")[1]})
+    _command_line_wins(raw, given)
     cfg = _build(Config, raw, src, "", given)
     validate(cfg, src, data, given)
+    cfg.origin = (src, given)
     return cfg
+
+
+def _command_line_wins(raw: dict, given: dict[str, str]) -> None:
+    """What an override replaces in the file beyond its own key: a duration the file's other
+    duration (two on one command line are an error), data.kind=shapes the file's data.path
+    (the shapes read none)."""
+    durations = [k for k in ("train.steps", "train.epochs") if k in given]
+    if len(durations) == 2 and None not in (raw["train"]["steps"], raw["train"]["epochs"]):
+        raise ConfigError(f"override {given['train.steps']!r} and override "
+                          f"{given['train.epochs']!r}: give exactly one of train.steps and "
+                          "train.epochs")
+    if len(durations) == 1:
+        _replace_duration(raw, {durations[0].split(".")[1]})
+    if "data.kind" in given and "data.path" not in given and raw["data"]["kind"] == "shapes":
+        raw["data"].pop("path", None)
 
 
 def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[dict, list[str]]:
@@ -509,16 +533,24 @@ def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[di
         path = path / "config.yaml"  # a run directory: the config it keeps
     name = str(path)
     if not path.is_file():
+        what = "is a directory, not a config file (nor a run directory with config.yaml)" \
+            if path.is_dir() else "config file not found"
         if chain:
-            raise ConfigError(f"{chain[-1]}: base {base!r}: config file {name} not found")
-        raise ConfigError(f"{name}: config file not found")
+            raise ConfigError(f"{chain[-1]}: base {base!r}: {name} {what}")
+        raise ConfigError(f"{name}: {what}")
     if any(path.resolve() == c.resolve() for c in chain):
         files = " -> ".join(str(c) for c in [*chain, path])
         raise ConfigError(f"{chain[0]}: the base files make a cycle: {files}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{name}: line {e.line}: key {e.key!r} given twice (first on line "
+                          f"{e.first}); YAML would keep the last") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{name}: not valid YAML: {e}") from None
+    if raw is None:
+        raise ConfigError(f"{name}: the file is empty (a config sets at least train.steps or "
+                          "train.epochs)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: the top level must be a mapping, got {type(raw).__name__}")
     parent = raw.pop("base", None)
@@ -537,6 +569,29 @@ def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[di
     if isinstance(raw.get("train"), dict):  # a duration here replaces the base's other one
         _replace_duration(merged, set(raw["train"]) & {"steps", "epochs"})
     return merged, [str(below_path), *bases]
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping key written twice (``_UniqueKeyLoader``)."""
+
+    def __init__(self, key: str, line: int, first: int):
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader refusing a key written twice in one mapping (yaml keeps the last,
+    silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    raise _DuplicateKey(key_node.value, line, seen[key_node.value])
+                seen[key_node.value] = line
+        return super().construct_mapping(node, deep)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -658,10 +713,6 @@ def _validate_contrastive(cfg: Config, err) -> None:
         if arch.text.vocab_size != BPE_VOCAB_SIZE:
             err("task.tokenizer", "bpe", f"CLIP's BPE has {BPE_VOCAB_SIZE} ids; the text tower of "
                                          f"{cfg.model.name} has {arch.text.vocab_size}: use byte")
-        missing = available()
-        if missing:
-            err("task.tokenizer", cfg.task.tokenizer, f"{cfg.model.name}'s text tower takes CLIP's "
-                f"BPE ids, which need {missing}; or set task.tokenizer=byte to train it on bytes")
     elif arch.text.vocab_size < BYTE_VOCAB_SIZE:
         err("task.tokenizer", cfg.task.tokenizer, f"byte ids need a text tower of >= "
             f"{BYTE_VOCAB_SIZE} ids; {cfg.model.name} has {arch.text.vocab_size}")
@@ -831,8 +882,6 @@ def _validate_caption(cfg: Config, err) -> None:
     if lm.hidden_size % lm.num_heads:
         err("lm.num_heads", lm.num_heads, f"lm.hidden_size={lm.hidden_size} is not "
             "divisible by it")
-    if lm.tokenizer == "bpe" and available():
-        err("lm.tokenizer", "bpe", f"CLIP's BPE needs {available()}; or use lm.tokenizer=byte")
     if hf_name(lm.tokenizer) and hf_problem(hf_name(lm.tokenizer)):
         err("lm.tokenizer", lm.tokenizer, hf_problem(hf_name(lm.tokenizer)))
     if lm.freeze_tower and lm.freeze_lm:
@@ -871,9 +920,37 @@ def _validate_task(cfg: Config, err) -> None:
     if dt.teacher and native:
         err("train.distill.teacher", dt.teacher, "not with data.resolution=native: the "
             "teacher takes fixed-size images, not packs")
+    if kind == "classification" and cfg.data.kind == "shapes":  # its count is a key
+        why = head_problem(cfg.model.num_classes, cfg.data.num_classes, "data.num_classes")
+        if why:
+            err("model.num_classes", cfg.model.num_classes, why)
     if cfg.task.lock_image and kind != "contrastive":
         err("task.lock_image", True, "freezes an image-text pair's image tower (LiT): "
             "task.kind=contrastive only; a classifier's parts are frozen by model.freeze")
+
+
+def head_problem(num_classes: Optional[int], found: int, source: str) -> Optional[str]:
+    """Why a classifier head of model.num_classes outputs cannot train on data of ``found``
+    classes (``source``: where that count comes from), or None. A larger head is fine (a
+    fine-tune may keep its weights' head); a smaller one has no output for some labels."""
+    if num_classes is None or num_classes >= found:
+        return None
+    return (f"the training data has {found} classes ({source}), labels up to {found - 1}: "
+            f"set model.num_classes=null (the data's count) or at least {found}")
+
+
+def _validate_tokenizer_files(cfg: Config, err) -> None:
+    """CLIP's BPE is installed where the captions are to be tokenized with it (``vitgraph
+    plan`` needs only its vocabulary size, a constant)."""
+    kind, missing = task_kind(cfg), available()
+    if not missing:
+        return
+    if kind == "contrastive" and tokenizer_kind(
+            cfg.task.tokenizer, resolve_clip_arch(cfg.model).text.vocab_size) == "bpe":
+        err("task.tokenizer", cfg.task.tokenizer, f"{cfg.model.name}'s text tower takes CLIP's "
+            f"BPE ids, which need {missing}; or set task.tokenizer=byte to train it on bytes")
+    if kind == "caption" and cfg.lm.tokenizer == "bpe":
+        err("lm.tokenizer", "bpe", f"CLIP's BPE needs {missing}; or use lm.tokenizer=byte")
 
 
 def _validate_precision(cfg: Config, graphs: bool, err) -> None:
@@ -930,7 +1007,8 @@ def validate(cfg: Config, src: str = "<config>", data: bool = True,
              overrides: dict | None = None) -> None:
     """Every key against its declaration (vitgraph.config_keys), each section's rules (beside
     its dataclass), then the rules between sections; ``data=False`` leaves out data.path's
-    folders. Nothing here depends on the machine or the launch (``check_layout`` takes the
+    folders and whether CLIP's BPE is installed (what only reading the data needs: ``vitgraph
+    plan``). Nothing else here depends on the machine or the launch (``check_layout`` takes the
     world size). ``overrides``: dotted key -> the override that set it: an error about that
     key names the command line, not ``src``."""
 
@@ -945,6 +1023,7 @@ def validate(cfg: Config, src: str = "<config>", data: bool = True,
     _validate_between(cfg, arch, err)
     if data:
         _validate_data_path(cfg.data, err)
+        _validate_tokenizer_files(cfg, err)
 
 
 def check_layout(cfg: Config, world_size: int, src: str = "<config>") -> None:
@@ -967,13 +1046,38 @@ def check_layout(cfg: Config, world_size: int, src: str = "<config>") -> None:
             f"(micro x dp {dp})) to be a multiple of parallel.pp={p.pp}")
 
 
-def validate_machine(cfg: Config, src: str = "<config>") -> None:
+def validate_machine(cfg: Config) -> None:
     """Checks against this machine, made before a run starts (``validate`` leaves them out so
-    that GPU configs still load anywhere)."""
+    that GPU configs still load anywhere): the layer spec and the run folder."""
+    src, given = cfg.origin
     if cfg.model.spec == "te":
         if not (torch.cuda.is_available() and te_available()):
-            raise ConfigError(f"{src}: model.spec='te': needs CUDA and Transformer Engine "
-                              f"(pip install -e .[te]); use model.spec=torch or auto without them")
+            raise ConfigError(f"{where(src, 'model.spec', given)}='te': needs CUDA and "
+                              "Transformer Engine (pip install -e .[te]); use model.spec=torch "
+                              "or auto without them")
+    name, value = ("run.dir", cfg.run.dir) if cfg.run.dir else ("run.name", cfg.run.name)
+    why = _unwritable(cfg.run_dir)
+    if why:
+        raise ConfigError(f"{where(src, name, given)}={value!r}: the run folder {why}")
+
+
+def _unwritable(folder: Path) -> Optional[str]:
+    """Why ``folder`` cannot be made or written here, or None. A folder still to be made is
+    tried (a folder made and removed in its nearest existing parent), not read off the
+    permission bits: root passes those, and /sys still refuses. An existing one (a run to
+    resume, left untouched) is asked of access(2), which sees a read-only mount."""
+    folder = folder.expanduser().absolute()
+    parent = next(p for p in (folder, *folder.parents) if p.exists())
+    if not parent.is_dir():
+        return f"{folder} is a file" if parent == folder else \
+            f"{folder} cannot be made: {parent} is a file"
+    if parent == folder:
+        return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=".vitgraph-probe-").cleanup()
+    except OSError as e:
+        return f"{folder} cannot be made: {parent}: {e.strerror}"
+    return None
 
 
 def run_model_config(run_dir) -> tuple[ModelConfig, dict]:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from vitgraph.config import check_layout, graph_constraints, load_config, task_kind
+from vitgraph.data import DataError, class_count
 from vitgraph.graphs.auto import choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple
 from vitgraph.models.caption import TextPackSpec
@@ -222,12 +223,16 @@ def single_process_chunks(single, num_classes: int | None = None, meta: bool = F
 
 def model_of(path, overrides=()) -> Model:
     """Count the parameters of the config at ``path`` with ``overrides`` on the meta device
-    (no data read: a classifier without model.num_classes gets a 1000-class head, a rounding
-    error of the total)."""
+    (no image read: a classifier without model.num_classes gets the data's class count where
+    it is known without the images, else a 1000-class head, a rounding error of the total)."""
     single = load_config(path, [*overrides, *SINGLE], data=False)
     # one process: the step's batch is one micro-batch (nothing is trained)
     single.train.global_batch_size = single.train.micro_batch_size
-    chunks, plan = single_process_chunks(single, meta=True)
+    try:
+        classes = class_count(single.data)
+    except DataError:  # data.path not on this machine
+        classes = None
+    chunks, plan = single_process_chunks(single, classes, meta=True)
     try:
         names = global_names(chunks[0])
         params = []

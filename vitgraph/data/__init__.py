@@ -7,11 +7,13 @@ gives ``NativeDataset``s, which ``PackedLoader`` and ``iterate_eval_packs`` pack
 sequence and ``pack_inputs`` turns into model inputs (vitgraph/data/native.py).
 """
 
+import os
+
 from vitgraph.data.config import DataConfig, PackingConfig
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import EncodedImages, resolve_decode
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
-from vitgraph.data.imagefolder import build_imagefolder, build_imagefolder_native
+from vitgraph.data.imagefolder import build_imagefolder, build_imagefolder_native, list_classes
 from vitgraph.data.imagefolder import native_size_sample as _folder_sizes
 from vitgraph.data.native import (NativeDataset, PackedLoader, images_per_pack,
                                   iterate_eval_packs, pack_fill, pack_inputs, pack_spec,
@@ -19,7 +21,7 @@ from vitgraph.data.native import (NativeDataset, PackedLoader, images_per_pack,
 from vitgraph.data.shapes import CLASSES as SHAPES_CLASSES
 from vitgraph.data.shapes import build_shapes
 from vitgraph.data.shapes import native_size_sample as _shapes_sizes
-from vitgraph.data.shards import build_webdataset, build_webdataset_native
+from vitgraph.data.shards import _split_samples, build_webdataset, build_webdataset_native
 from vitgraph.data.shards import native_size_sample as _shards_sizes
 
 SIZE_SAMPLE = 512  # images whose sizes estimate a native dataset's mean image
@@ -42,6 +44,22 @@ def build_datasets(data_cfg: DataConfig, seed: int, native: bool = False) -> tup
         return train, val
     raise DataError(f"unknown data.kind {data_cfg.kind!r} (expected 'shapes', 'imagefolder' "
                     "or 'webdataset')")
+
+
+def class_count(data_cfg: DataConfig) -> int:
+    """The classes a run on ``data_cfg`` finds, without decoding an image: the shapes'
+    data.num_classes, an ImageFolder's train/ class folders, the shards' index.json (else
+    their tar headers). DataError where data.path cannot tell."""
+    if data_cfg.kind == "shapes":
+        return data_cfg.num_classes
+    if not data_cfg.path:
+        raise DataError(f"data.kind={data_cfg.kind}: data.path is not set")
+    root = os.path.expanduser(data_cfg.path)
+    if data_cfg.kind == "imagefolder":
+        return len(list_classes(os.path.join(root, "train")))
+    if not os.path.isdir(root):
+        raise DataError(f"data.path={data_cfg.path!r}: no such directory")
+    return len(_split_samples(root, "train", None)[5])
 
 
 def decode_line(data_cfg: DataConfig, native: bool = False, cuda: bool = False) -> str:
@@ -85,6 +103,7 @@ def native_size_sample(data_cfg: DataConfig, seed: int, n: int = SIZE_SAMPLE):
 
 
 __all__ = ["DataConfig", "DataError", "EncodedImages", "ImageDataset", "MicrobatchLoader",
-           "NativeDataset", "PackedLoader", "PackingConfig", "SHAPES_CLASSES", "build_datasets", "decode_line", "images_per_pack",
+           "NativeDataset", "PackedLoader", "PackingConfig", "SHAPES_CLASSES", "build_datasets",
+           "class_count", "decode_line", "images_per_pack",
            "iterate_eval", "iterate_eval_packs", "native_size_sample", "pack_fill", "pack_inputs",
            "pack_spec", "size_tokens", "to_model_input"]

@@ -50,7 +50,8 @@ class DataConfig:
     num_val: int = key(2000, above=0)  # shapes only
     # size images are drawn / decoded at; resized to model.image_size
     render_size: int = key(32, above=0)
-    num_classes: int = 10  # shapes only
+    # shapes only (the first this many of vitgraph.data.shapes.CLASSES)
+    num_classes: int = key(10, min=1)
     # shapes: the caption of each image. full: size, colours, shape, background, place and
     # rotation ("a large white star on a dark blue background, in the top left, rotated 30
     # degrees"); short: size, colour and shape ("a large white star"); shape_first: the
@@ -68,11 +69,11 @@ class DataConfig:
     caption_dropout_start: float = key(0.0, min=0, below=1)
     # shapes: the dataset's own seed; runs with other train.seed values share its cache entry
     # (null: derive the data from train.seed)
-    seed: Optional[int] = 0
+    seed: Optional[int] = key(0, min=0)
     # generated datasets are cached here (`vitgraph cache` shows it, `vitgraph cache --clear`
     # empties it), least recently used first out beyond cache_max_mb
     cache_dir: Optional[str] = key("~/.cache/vitgraph", resume_ok=True)
-    cache_max_mb: float = 1024.0
+    cache_max_mb: float = key(1024.0, min=0)
     workers: int = key(2, min=1, resume_ok=True)
     # imagefolder: decode every image up front (fast steps, memory ~ N x size^2 x 3 bytes);
     # false decodes each batch on demand in `workers` threads (large folders, e.g. ImageNet)

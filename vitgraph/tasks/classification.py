@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vitgraph.config import ConfigError, head_problem
 from vitgraph.convert import init_from
 from vitgraph.data.augment import AugmentParams, BatchAugment, prepare_batch
 from vitgraph.data.loader import to_device_uint8
@@ -47,6 +48,12 @@ class ClassificationTask(Task):
     def attach(self, train_set, val_set) -> None:
         super().attach(train_set, val_set)
         plan = self.plan
+        # a folder's class count is known once it is read: checked here, before any model
+        # (the shapes' count is a key, checked with the config)
+        why = head_problem(plan.model.num_classes, len(train_set.classes),
+                           f"data.kind={plan.data.kind}, data.path={plan.data.path}")
+        if why:
+            raise ConfigError(f"model.num_classes={plan.model.num_classes}: {why}")
         if plan.data.augment.enabled and self.pack is None:
             self.augment = BatchAugment(plan.data.augment, self.image_size, self.num_classes,
                                         plan.train.label_smoothing, plan.train.seed,

@@ -43,9 +43,9 @@ def vocab_path() -> str | None:
 def available() -> str | None:
     """None when the BPE tokenizer can be built here, else what is missing (for an error)."""
     if importlib.util.find_spec("regex") is None:
-        return "the regex package (pip install regex)"
+        return "the regex package (pip install -e .[clip])"
     if vocab_path() is None:
-        return "open_clip's BPE vocabulary (pip install open_clip_torch)"
+        return "open_clip's BPE vocabulary (pip install -e .[clip])"
     return None
 
 

@@ -156,7 +156,7 @@ def train_line(record: dict, total_steps: int, eta_s: float, graphs: str = "") -
                     if record.get(k) is not None)
     return (f"step {record['step']}/{total_steps} | loss {loss:.4f}{terms} | top1 {top1:.3f} | "
             f"lr {lr:.2e} | grad {norm:.3f} | {record['images_per_s']:.1f} img/s | "
-            f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu{mfu} | "
+            f"{record['tflops_per_gpu']:.2f} TFLOP/s/{'gpu' if mfu else 'device'}{mfu} | "
             f"mem {record['peak_mem_gib']:.2f} GiB | eta {duration(eta_s)}{graphs}"
             + (f" | skipped {skipped} non-finite steps" if skipped else ""))
 
