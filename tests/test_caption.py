@@ -81,6 +81,16 @@ def test_logits_are_gptmodels_at_the_text_and_the_loss_counts_text_only(dist1, t
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters())
 
 
+def test_the_model_line_counts_in_words(dist1):
+    """vlm-tiny-shapes' language model has one layer: 'GPT (1 layer', not '1 layers'."""
+    from vitgraph.output import plural
+    task, model = task_and_model(dist1)
+    assert "-> GPT (1 layer, width 64, 4 heads, " in task.describe([model], 1)
+    assert [plural(n, w) for n, w in ((1, "GPU"), (8, "GPU"), (2, "microbatch"),
+                                     (0, "layer"))] == ["1 GPU", "8 GPUs", "2 microbatches",
+                                                        "0 layers"]
+
+
 def test_greedy_generation_gives_ids_that_decode(dist1):
     task, model = task_and_model(dist1)
     tok = task.tokenizer

@@ -1,8 +1,10 @@
 """The commands around training: eval, export, configs, cache, --version, usage."""
 import hashlib
 import json
+import os
 import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,16 +61,32 @@ def test_version_configs_usage_and_cache(tmp_path, capsys):
     # a header's first sentence, not cut at an abbreviation's full stop
     assert 'DeiT-B (Touvron et al. 2021, "Training data-efficient image transformers"' in out
     assert "bf16 with TE layers on GPUs\n" in out  # ... and cut at the sentence's end
-    assert main(["train"]) == 2 and "usage: vitgraph train" in capsys.readouterr().err
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "shapes_v1_train_0123.npz").write_bytes(b"x" * 2**20)
     (cache / "keep.txt").write_text("not ours")
     assert main(["cache", "--dir", str(cache)]) == 0
-    assert "1 cached datasets, 1.0 MB" in capsys.readouterr().out
+    assert "1 cached dataset, 1.0 MB" in capsys.readouterr().out
     assert main(["cache", "--clear", "--dir", str(cache)]) == 0
     assert "removed 1" in capsys.readouterr().out
     assert sorted(p.name for p in cache.iterdir()) == ["keep.txt"]
+
+
+def test_a_missing_argument_or_folder_is_one_line_exit_2(tmp_path, capsys):
+    """What the user left out or mistyped is named in one line, exit 2, nothing done."""
+    with pytest.raises(SystemExit) as done:
+        main(["train"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "usage: vitgraph train [-h] config [overrides ...]" in err
+    assert err.strip().splitlines()[-1] == ("vitgraph train: error: the following arguments are "
+                                            "required: config")
+    (tmp_path / "a-file").write_text("")
+    for given, what in ((tmp_path / "typo", "does not exist"), (tmp_path / "a-file",
+                                                                 "is not a folder")):
+        code, out, err = here(capsys, "cache", "--dir", str(given))
+        assert code == 2 and out == "" and err == f"vitgraph: cache: --dir {given}: {what}\n"
+    code, _, err = here(capsys, "cache", "--clear", "--dir", str(tmp_path / "typo"))
+    assert code == 2 and "does not exist" in err
 
 
 def test_models_lists_classifiers_and_image_text_pairs(capsys):
@@ -84,10 +102,14 @@ def test_models_lists_classifiers_and_image_text_pairs(capsys):
 
 
 def test_eval_writes_only_its_json(trained, capsys):
+    lines = []
+
     def evaluate(*args) -> str:
         code, out, err = here(capsys, "eval", str(trained / "config.yaml"), *args)
         assert code == 0, err[-3000:]
-        return out.strip().splitlines()[-1]
+        line, = out.splitlines()  # what it scored, the metrics and the file, said once
+        lines.append(line)
+        return line.rsplit(" -> ", 1)[1]
 
     before = snapshot(trained)
     metrics = json.loads((trained / "metrics.json").read_text())
@@ -98,6 +120,9 @@ def test_eval_writes_only_its_json(trained, capsys):
     assert not [str(w.message) for w in said if issubclass(w.category, FutureWarning)
                 or "torch.distributed is disabled" in str(w.message)], said
     assert out == str(trained / "eval-12.json")
+    assert "global batch 32 = 1 microbatch x 32 x dp 1" in (trained / "train.log").read_text()
+    assert f"eval of {trained / 'checkpoints' / 'step_000012'} (shapes val, 200 images): top1 " \
+        in lines[0], lines
     result = json.loads((trained / "eval-12.json").read_text())
     assert result["step"] == 12 and result["eval_images"] == 200
     assert result["data"] == {"kind": "shapes", "path": None, "split": "val", "images": 200}
@@ -121,6 +146,119 @@ def test_eval_writes_only_its_json(trained, capsys):
 def test_eval_of_a_missing_checkpoint_names_it(trained, capsys):
     assert main(["eval", str(trained / "config.yaml"), "--checkpoint", "7"]) == 2
     assert "step_000007" in capsys.readouterr().err
+
+
+def test_a_run_folder_named_is_that_folder_wherever_it_was_trained(trained, tmp_path, capsys):
+    """A copied (or moved) run keeps the run.dir of where it trained in its config.yaml: eval
+    and export of the copy read and write the copy, never the original."""
+    import shutil
+
+    from vitgraph.config import load_config, run_model_config
+    copy = tmp_path / "copy"
+    shutil.copytree(trained, copy)
+    assert load_config(copy).run_dir == copy == Path(run_model_config(copy)[1]["run"]["dir"])
+    before = snapshot(trained)
+    code, out, err = here(capsys, "eval", str(copy))
+    assert code == 0, err[-3000:]
+    assert out.endswith(f" -> {copy / 'eval-12.json'}\n") and str(trained) not in out, out
+    code, out, err = here(capsys, "export", str(copy), "--out", str(tmp_path / "w.safetensors"))
+    assert code == 0 and f"from checkpoint {copy / 'checkpoints' / 'step_000012'} " in out, err
+    assert snapshot(trained) == before
+    code, _, err = here(capsys, "export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
+    assert code == 2 and err == (f"vitgraph: export: {tmp_path / 'nowhere'}: not a run folder "
+                                 f"(no config.yaml in it)\n")
+
+
+def umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_export_out_is_a_file_or_a_folder_and_a_bad_one_is_one_line(trained, tmp_path, capsys,
+                                                                     monkeypatch):
+    """--out FILE.safetensors, or a folder (existing or not) that gets model.safetensors and
+    the side files; every file with the mode the umask gives (as the run's own files), the
+    checkpoint's model.safetensors too; a destination that cannot be written: one line naming
+    it, exit 2, nothing half-written."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+    mode = 0o666 & ~umask()
+    assert (trained / "checkpoints" / "step_000012" / "model.safetensors").stat().st_mode \
+        & 0o777 == mode == (trained / "config.yaml").stat().st_mode & 0o777
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    for out, fmt in ((existing, "timm"), (tmp_path / "new" / "noext", "hf"),
+                     (tmp_path / "w.safetensors", "vitgraph")):
+        code, said, err = here(capsys, "export", str(trained), "--format", fmt, "--out", str(out))
+        weights = out if out.suffix == ".safetensors" else out / "model.safetensors"
+        assert code == 0 and said.startswith(f"{weights}: "), err
+        written = sorted(p.name for p in weights.parent.iterdir())
+        assert written == {"timm": ["config.json", "model.safetensors"],
+                           "hf": ["config.json", "model.safetensors", "preprocessor_config.json"],
+                           "vitgraph": ["existing", "new", "w.safetensors"]}[fmt]
+        assert all(p.stat().st_mode & 0o777 == mode for p in weights.parent.iterdir()
+                   if p.is_file())
+    from vitgraph.output import written_whole
+    old = os.umask(0o002)  # the umask decides, whatever it is
+    try:
+        with written_whole(tmp_path / "group.json") as tmp:
+            tmp.write_text("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "group.json").stat().st_mode & 0o777 == 0o664
+
+    (tmp_path / "a-file").write_text("")
+    bad = {str(tmp_path / "a-file" / "w.safetensors"): f"{tmp_path / 'a-file'} is a file, not a "
+                                                       f"folder",
+           str(tmp_path / "a-file"): "a file that is not .safetensors; --out is a .safetensors "
+                                     "file or a folder"}
+    for out, problem in bad.items():
+        code, said, err = here(capsys, "export", str(trained), "--out", out)
+        assert code == 2 and said == "" and err.startswith(f"vitgraph: export: --out {out}: "
+                                                           f"{problem}"), err
+        assert len(err.splitlines()) == 1
+
+    def full_disk(tensors, filename, metadata=None):  # safetensors' own error, a part written
+        Path(filename).write_bytes(b"x" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os "
+                              "error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    full = tmp_path / "full"
+    code, said, err = here(capsys, "export", str(trained), "--out", str(full))
+    assert code == 2 and said == "" and err == (
+        f"vitgraph: export: --out {full}: cannot write {full / 'model.safetensors'}: No space "
+        f"left on device\n")
+    assert list(full.iterdir()) == []  # no .partial left
+
+
+def test_eval_and_export_check_the_checkpoint_against_its_manifest(trained, tmp_path, capsys):
+    """A damaged checkpoint named by --checkpoint is refused in one line naming the damaged
+    file (eval and export); without it export passes over the damaged newest one and says
+    which it exported and why; with every one damaged it says what is wrong with each."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    ckpts = run / "checkpoints"
+    shutil.copytree(ckpts / "step_000012", ckpts / "step_000006")  # an older intact one
+    cut = ckpts / "step_000012" / "dist" / "__0_0.distcp"
+    cut.write_bytes(cut.read_bytes()[:1000])
+    damage = f"{cut}: 1000 bytes, the manifest says"
+    evals = sorted(run.glob("eval-*"))  # an earlier test's
+    for command in (["eval", str(run)], ["export", str(run), "--out", str(tmp_path / "x")]):
+        code, out, err = here(capsys, *command, "--checkpoint", "12")
+        assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+        assert f"checkpoint {ckpts / 'step_000012'} is damaged: {damage}" in err, err
+    assert not (tmp_path / "x").exists() and sorted(run.glob("eval-*")) == evals
+    code, out, err = here(capsys, "export", str(run), "--out", str(tmp_path / "x"))
+    assert code == 0, err
+    assert f"from checkpoint {ckpts / 'step_000006'} (step 12)" in out  # the copy's step
+    assert err.startswith(f"vitgraph: export: checkpoint step_000012 is damaged: {damage}"), err
+    (ckpts / "step_000006" / "manifest.json").unlink()
+    code, out, err = here(capsys, "export", str(run), "--out", str(tmp_path / "y"))
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert f"no intact checkpoint under {ckpts}: step_000012 is damaged: {damage}" in err
+    assert (f"step_000006 is damaged: {ckpts / 'step_000006' / 'manifest.json'}: missing" in err)
 
 
 def vitgraph_input(image, size):

@@ -115,7 +115,7 @@ def test_params_lists_names_scales_decay_and_frozen(capsys):
     assert rows["pos_embed"] == ["1x65x64", "0.03125", "off", "yes"]
     assert rows["decoder.layers.0.mlp.linear_fc1.weight"] == ["256x64", "0.0625", "on", "no"]
     assert rows["head.weight"] == ["10x64", "1", "on", "no"]
-    assert len(rows) == 56 and "frozen: 1 tensors" in out.splitlines()[-1]
+    assert len(rows) == 56 and "frozen: 1 tensor, " in out.splitlines()[-1]
     assert main(["params", DEFAULT, freeze_override(["nope"])]) == 2
     assert "model.freeze: pattern 'nope'" in capsys.readouterr().err
 

@@ -145,6 +145,7 @@ def test_plan_says_where_its_gpu_memory_comes_from(plan, monkeypatch):
     r = plan(ROOT / "configs" / "vit-tiny-shapes.yaml")
     assert "of 139.8 GiB per GPU (no GPU found: an H200 assumed; --gpu-mem sets it; " \
         in r.stdout, r.stdout
+    assert " (1 GPU), micro-batch 32 x 1 microbatch a step, " in r.stdout, r.stdout
     r = plan(ROOT / "configs" / "vit-tiny-shapes.yaml", "--gpu-mem", "80", "--json")
     assert json.loads(r.stdout)["gpu_mem_source"] == "--gpu-mem"
 
@@ -171,6 +172,22 @@ def test_cli_json_of_a_folder_config_needs_no_folder(plan):
 def test_cli_names_a_bad_layout(plan):
     r = plan(G14, "parallel.tp=3", "--gpus", "8")
     assert r.returncode == 2 and "parallel.tp" in r.stderr
+    r = plan(ROOT / "configs" / "vit-tiny-shapes.yaml", "parallel.tp=2", "--gpus", "3")
+    assert r.returncode == 2 and r.stderr.endswith(
+        "world size 3 (--gpus) is not divisible by it\n"), r.stderr  # the flag, not WORLD_SIZE
+
+
+def test_cli_refuses_a_gpu_count_or_memory_below_one(plan, capsys):
+    """--gpus 0 was taken as the default (1), --gpu-mem -5 planned against; each is a usage
+    error naming the flag, exit 2, before anything is counted."""
+    for flag, value in (("--gpus", "0"), ("--gpus", "-2"), ("--gpu-mem", "-5"),
+                        ("--gpu-mem", "0"), ("--gpus", "two")):
+        with pytest.raises(SystemExit) as done:
+            plan(ROOT / "configs" / "vit-tiny-shapes.yaml", flag, value)
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and err.splitlines()[-1].startswith(
+            f"vitgraph plan: error: argument {flag}: "), err
+        assert value in err.splitlines()[-1]
 
 
 def test_fsdp_shards_weights_gradients_and_state_over_dp(g14):

@@ -23,9 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model from a YAML config",
                         description="Train from CONFIG; key=value pairs override it "
                                     "(e.g. train.steps=100 model.spec=torch).")
-    tr.add_argument("config", nargs="?", help="YAML experiment config (see `vitgraph configs`)")
-    tr.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
-    parser.train_parser = tr
+    tr.add_argument("config", help="YAML experiment config (see `vitgraph configs`)")
+    tr.add_argument("overrides", nargs="*", default=[], help="dotted overrides, key=value")
     _add_eval(sub)
     _add_export(sub)
     pa = sub.add_parser("params", help="list a config's parameters: shape, lr scale, weight "
@@ -76,7 +75,7 @@ def _add_eval(sub) -> None:
                                     "same overrides as its training); writes "
                                     "<run_dir>/eval-<step>.json and changes nothing else.")
     ev.add_argument("config", help="the run's YAML config, or its run directory (its config.yaml)")
-    ev.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    ev.add_argument("overrides", nargs="*", default=[], help="dotted overrides, key=value")
     ev.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
     ev.add_argument("--split", choices=("val", "train"), default="val",
                     help="the held-out split (default) or the training split, unaugmented")
@@ -100,9 +99,11 @@ def _add_export(sub) -> None:
     ex.add_argument("--format", default="vitgraph", choices=("vitgraph", "timm", "timm_naflex", "hf", "open_clip"),
                     help="timm of a data.resolution=native run writes timm's NaFlexVit names "
                          "(timm_naflex)")
-    ex.add_argument("--out", required=True, help="output .safetensors file; hf writes config.json "
-                    "and preprocessor_config.json beside it, timm config.json (name it "
-                    "model.safetensors for from_pretrained(DIR) / create_model('local-dir:DIR'))")
+    ex.add_argument("--out", required=True, help="a .safetensors file, or a folder (any other "
+                    "path; made if need be), which gets model.safetensors, the name "
+                    "from_pretrained(DIR) / create_model('local-dir:DIR') read; hf writes "
+                    "config.json and preprocessor_config.json beside the weights, timm "
+                    "config.json")
     ex.add_argument("--checkpoint", help="a step number or a checkpoint directory (default: newest)")
     ex.add_argument("--ema", action="store_true",
                     help="the EMA of the weights (train.ema, fp32) instead of the weights")
@@ -121,18 +122,31 @@ def _add_plan(sub) -> None:
                                     "which of recompute, tp, pp or more data-parallel ranks "
                                     "would. Exits 1 when it does not fit.")
     _config_arguments(pl)
-    pl.add_argument("--gpus", type=int, default=None,
+    pl.add_argument("--gpus", type=_above_zero(int), default=None,
                     help="world size (default: parallel.tp x parallel.pp, i.e. dp 1)")
-    pl.add_argument("--gpu-mem", type=float, default=None,
+    pl.add_argument("--gpu-mem", type=_above_zero(float), default=None,
                     help="memory per GPU in GiB (default: this machine's first GPU by "
                          "nvidia-smi, else 139.8: an H200 as torch reports it, and the plan says so; an "
                          "H100: 79.1)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON instead")
 
 
+def _above_zero(kind):
+    """An argparse type: a number of ``kind`` above 0 (argparse names the flag, exit 2)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    return parse
+
+
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML experiment config")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
+    p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, key=value")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,9 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         return _params(args)
     if args.command == "plan":
         return _plan(args)
-    if args.command == "train" and not args.config:
-        parser.train_parser.print_help(sys.stderr)
-        return 2
     # a stop signal from here on is recorded, and stops the run at its next start-up
     # milestone (exit 75); the imports below take seconds, and would die of it unsaid (143)
     signals = StopSignals().install() if args.command == "train" else None
@@ -200,9 +211,7 @@ def _run(cfg, args, signals=None) -> int:
     try:
         if args.command == "eval":
             from vitgraph.train.evaluate import evaluate_checkpoint
-            result = evaluate_checkpoint(cfg, args.checkpoint, args.split, args.ema)
-            if "path" in result:
-                print(result["path"])
+            evaluate_checkpoint(cfg, args.checkpoint, args.split, args.ema)  # prints its line
         else:
             from vitgraph.train.loop import train
             train(cfg, signals)
@@ -261,6 +270,7 @@ def _params(args) -> int:
         return 2
     from vitgraph.parallel.setup import shutdown
     from vitgraph.models.freeze import global_names
+    from vitgraph.output import plural
     from vitgraph.plan import lr_rules
     from vitgraph.train.optim import _no_decay, lr_scales
     try:
@@ -282,15 +292,15 @@ def _params(args) -> int:
         print(f"{name:{width}s}  {shape:>14s}  {s:9.4g}  {'on ' if wd else 'off'}  "
               f"{'no' if trains else 'yes'}")
     frozen = [r for r in rows if not r[5]]
-    print(f"{len(rows)} parameter tensors, {sum(r[2] for r in rows):,} elements; frozen: "
-          f"{len(frozen)} tensors, {sum(r[2] for r in frozen):,} elements; optim.layer_decay="
-          f"{cfg.optim.layer_decay}")
+    print(f"{plural(len(rows), 'parameter tensor')}, {sum(r[2] for r in rows):,} elements; "
+          f"frozen: {plural(len(frozen), 'tensor')}, {sum(r[2] for r in frozen):,} elements; "
+          f"optim.layer_decay={cfg.optim.layer_decay}")
     return 0
 
 
 def _plan(args) -> int:
     """`vitgraph plan`: vitgraph.memory's count for a config (CPU only, nothing trained)."""
-    gpu_mem, source = (args.gpu_mem, "--gpu-mem") if args.gpu_mem else _gpu_mem_gib()
+    gpu_mem, source = (args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else _gpu_mem_gib()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the model is built on the meta device, on CPU
     from vitgraph.config import ConfigError
     from vitgraph.memory import report
@@ -347,15 +357,21 @@ _SENTENCE_END = re.compile(r"(?<!\bal)(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\bcf)\.
 def _cache(args) -> int:
     from vitgraph.data import DataConfig
     from vitgraph.data.shapes import cache_files
+    from vitgraph.output import plural
     cache_dir = os.path.expanduser(args.dir or DataConfig().cache_dir)
+    if args.dir and not os.path.isdir(cache_dir):  # the default is made by the first run
+        what = "is not a folder" if os.path.exists(cache_dir) else "does not exist"
+        print(f"vitgraph: cache: --dir {args.dir}: {what}", file=sys.stderr)
+        return 2
     files = cache_files(cache_dir)
     size = sum(os.path.getsize(f) for f in files)
     if args.clear:
         for f in files:
             os.remove(f)
-        print(f"{cache_dir}: removed {len(files)} cached datasets ({size / 2**20:.1f} MB)")
+        print(f"{cache_dir}: removed {plural(len(files), 'cached dataset')} "
+              f"({size / 2**20:.1f} MB)")
     else:
-        print(f"{cache_dir}: {len(files)} cached datasets, {size / 2**20:.1f} MB "
+        print(f"{cache_dir}: {plural(len(files), 'cached dataset')}, {size / 2**20:.1f} MB "
               f"(limit data.cache_max_mb={DataConfig().cache_max_mb:.0f})")
     return 0
 
@@ -365,18 +381,19 @@ def _export(args) -> int:
 
     from vitgraph.config import ConfigError, run_model_config
     from vitgraph.convert import ConvertError, read_checkpoint_weights, save_safetensors
-    from vitgraph.convert.checkpoints import checkpoint_dir
+    from vitgraph.convert.checkpoints import find_checkpoint
+    from vitgraph.output import write_text
     run_dir = Path(args.run_dir)
     try:
+        weights = _export_path(args.out)
         model_cfg, raw = run_model_config(run_dir)
-        path = checkpoint_dir(run_dir, args.checkpoint)
+        path, passed = find_checkpoint(run_dir, args.checkpoint)
         sd, step = read_checkpoint_weights(path, ema=args.ema)
         out, sidecars, fmt, what = _export_weights(args, run_dir, raw, model_cfg, sd)
         meta = {"format": "pt", "vitgraph_format": fmt, "step": step,
                 **({"weights": "ema"} if args.ema else {}),
                 "checkpoint": str(path), "model": model_cfg.name, **sidecars.pop("meta")}
-        folder = Path(args.out).parent
-        texts = {folder / name: json.dumps(content, indent=2) + "\n"
+        texts = {weights.parent / name: json.dumps(content, indent=2) + "\n"
                  for name, content in sidecars.items()}
         for side, text in texts.items():  # before anything is written
             if side.is_file() and side.read_text() != text:
@@ -384,21 +401,46 @@ def _export(args) -> int:
                     f"{side} exists and describes another model: --format {fmt} writes "
                     f"{', '.join(sidecars)} beside the weights, read from the folder, so one "
                     f"export per folder; export into another folder or remove it")
-        written = save_safetensors(out, args.out, meta)
-        for side, text in texts.items():
-            side.write_text(text)
-    except FileNotFoundError as e:
-        print(f"vitgraph: export: {e}", file=sys.stderr)
-        return 2
     except (ConfigError, ConvertError) as e:
         print(f"vitgraph: export: {e}", file=sys.stderr)
         return 2
-    print(f"{written}: {what}")
+    target = weights
+    try:
+        written = save_safetensors(out, weights, meta)
+        for target, text in texts.items():
+            write_text(target, text)
+    except OSError as e:  # its temporary file is gone (vitgraph.output.written_whole)
+        print(f"vitgraph: export: --out {args.out}: cannot write {target}: {e.strerror or e}",
+              file=sys.stderr)
+        return 2
+    for line in passed:  # as training says it when it resumes
+        print(f"vitgraph: export: checkpoint {line}; passed over it", file=sys.stderr)
+    print(f"{written}: {what}, from checkpoint {path} (step {step})")
     for side in texts:
         why = ("the caption model's geometry and tokenizer, also in the weights' metadata"
                if fmt == "vitgraph" else f"{fmt}'s loaders read it from the folder")
         print(f"{side}: written beside them ({why})")
     return 0
+
+
+def _export_path(out: str) -> Path:
+    """The weights file ``--out`` names: a path ending in .safetensors is that file; any other
+    path is a folder, which gets model.safetensors (the name Hugging Face's
+    from_pretrained(DIR) and timm's create_model('local-dir:DIR') read) and the side files.
+    ConvertError, before any work, where the folder cannot be made or written."""
+    from vitgraph.convert import ConvertError
+    given = Path(out).expanduser()
+    weights = given if given.suffix == ".safetensors" and not given.is_dir() else (
+        given / "model.safetensors")
+    folder = next(p for p in (weights.parent, *weights.parent.parents) if p.exists())
+    if folder == given and not folder.is_dir():
+        raise ConvertError(f"--out {out}: a file that is not .safetensors; --out is a "
+                           f".safetensors file or a folder (written as <folder>/model.safetensors)")
+    if not folder.is_dir():
+        raise ConvertError(f"--out {out}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConvertError(f"--out {out}: {folder} is not writable")
+    return weights
 
 
 def _export_weights(args, run_dir: Path, raw: dict, model_cfg, sd: dict):

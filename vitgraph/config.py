@@ -526,11 +526,40 @@ def _command_line_wins(raw: dict, given: dict[str, str]) -> None:
         raw["data"].pop("path", None)
 
 
+def _read_yaml(path: Path) -> dict:
+    """The mapping a YAML config file holds."""
+    try:
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: line {e.line}: key {e.key!r} given twice (first on line "
+                          f"{e.first}); YAML would keep the last") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty (a config sets at least train.steps or "
+                          "train.epochs)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def read_run_folder(folder: str | os.PathLike) -> dict:
+    """The config a run folder keeps (its config.yaml, as the run resolved it), with ``run.dir``
+    that folder: a run folder named on the command line is the run, wherever it was trained
+    (a copied or moved run's config.yaml still names the folder it was trained in)."""
+    path = Path(folder) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{folder}: not a run folder (no config.yaml in it)")
+    raw = _read_yaml(path)
+    raw["run"] = {**(raw.get("run") or {}), "dir": str(folder)}
+    return raw
+
+
 def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[dict, list[str]]:
     """The mapping in ``path`` merged over its bases, and the bases' paths (nearest first).
     ``chain``: the files whose bases led here; ``base``: how the last of them names it."""
     if not chain and path.is_dir() and (path / "config.yaml").is_file():
-        path = path / "config.yaml"  # a run directory: the config it keeps
+        return read_run_folder(path), []
     name = str(path)
     if not path.is_file():
         what = "is a directory, not a config file (nor a run directory with config.yaml)" \
@@ -541,18 +570,7 @@ def _read(path: Path, chain: list[Path], base: Optional[str] = None) -> tuple[di
     if any(path.resolve() == c.resolve() for c in chain):
         files = " -> ".join(str(c) for c in [*chain, path])
         raise ConfigError(f"{chain[0]}: the base files make a cycle: {files}")
-    try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except _DuplicateKey as e:
-        raise ConfigError(f"{name}: line {e.line}: key {e.key!r} given twice (first on line "
-                          f"{e.first}); YAML would keep the last") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{name}: not valid YAML: {e}") from None
-    if raw is None:
-        raise ConfigError(f"{name}: the file is empty (a config sets at least train.steps or "
-                          "train.epochs)")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name}: the top level must be a mapping, got {type(raw).__name__}")
+    raw = _read_yaml(path)
     parent = raw.pop("base", None)
     unknown = _unknown_key(Config, raw)
     if unknown:
@@ -1026,13 +1044,15 @@ def validate(cfg: Config, src: str = "<config>", data: bool = True,
         _validate_tokenizer_files(cfg, err)
 
 
-def check_layout(cfg: Config, world_size: int, src: str = "<config>") -> None:
+def check_layout(cfg: Config, world_size: int, src: str = "<config>",
+                 world_from: str = "WORLD_SIZE") -> None:
     """The rules that need the world size (world = dp x tp x pp): checked by the CLI before
-    launching and by ``init_distributed`` before any process group is made."""
+    launching and by ``init_distributed`` before any process group is made. ``world_from``:
+    where the world size came from, for the message (`vitgraph plan`: its --gpus)."""
     p, t = cfg.parallel, cfg.train
     if world_size % (p.tp * p.pp):
         raise ConfigError(f"{src}: parallel.tp x parallel.pp = {p.tp} x {p.pp}: world size "
-                          f"{world_size} (WORLD_SIZE) is not divisible by it")
+                          f"{world_size} ({world_from}) is not divisible by it")
     dp = world_size // (p.tp * p.pp)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"{src}: train.global_batch_size={t.global_batch_size}: not divisible "
@@ -1081,8 +1101,7 @@ def _unwritable(folder: Path) -> Optional[str]:
 
 
 def run_model_config(run_dir) -> tuple[ModelConfig, dict]:
-    """A run folder's ``model:`` section (from its config.yaml, as the run resolved it) and
-    the whole config as written there."""
-    path = Path(run_dir) / "config.yaml"
-    raw = yaml.safe_load(path.read_text()) or {}
-    return _build(ModelConfig, raw.get("model") or {}, str(path), "model."), raw
+    """A run folder's ``model:`` section and its whole config (``read_run_folder``)."""
+    raw = read_run_folder(run_dir)
+    return _build(ModelConfig, raw.get("model") or {}, str(Path(run_dir) / "config.yaml"),
+                  "model."), raw

@@ -42,6 +42,7 @@ from vitgraph.models.caption import TextPackSpec
 from vitgraph.models.freeze import freeze, global_names
 from vitgraph.models.specs import THD_HEAD_DIMS
 from vitgraph.models.vit import sequence_length
+from vitgraph.output import plural
 from vitgraph.parallel.setup import init_distributed, shutdown
 from vitgraph.plan import resolve
 from vitgraph.tasks import make_task
@@ -521,16 +522,16 @@ def report(path, overrides, gpus: int | None, gpu_mem_gib: float,
     parallel.tp x parallel.pp (dp 1)."""
     cfg = load_config(path, overrides, data=False)
     gpus = gpus or cfg.parallel.tp * cfg.parallel.pp
-    check_layout(cfg, gpus, str(path))
+    check_layout(cfg, gpus, str(path), "--gpus")  # tp x pp itself always divides
     model = model_of(path, overrides)
     layout = layout_of(cfg, gpus)
     budget = int((gpu_mem_gib - CUDA_CONTEXT_GIB) * GIB)
     plan = plan_memory(cfg, model, layout, micro_batch)
     total = sum(q.numel for q in model.params)
     lines = [f"{cfg.model.name}: {total / 1e6:,.1f}M parameters; {layout.name()} "
-             f"({layout.gpus} GPUs), micro-batch {plan.micro_batch} x {plan.microbatches} "
-             f"microbatches a step, {plan.precision}, recompute {plan.recompute}, graphs "
-             f"{plan.graphs}"
+             f"({plural(layout.gpus, 'GPU')}), micro-batch {plan.micro_batch} x "
+             f"{plural(plan.microbatches, 'microbatch')} a step, {plan.precision}, recompute "
+             f"{plan.recompute}, graphs {plan.graphs}"
              + (f", optimizer {cfg.optim.offload_fraction:.0%} offloaded"
                 if cfg.optim.offload_fraction else ""),
              f"{'GiB per GPU':<24}" + "".join(f"{'stage ' + str(s.stage):>10}" for s in plan.stages)]

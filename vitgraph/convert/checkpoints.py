@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -15,6 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vitgraph.convert.tables import ConvertError
+from vitgraph.output import written_whole
+
+log = logging.getLogger("vitgraph")
 
 # what torch (2.13) and megatron-core (0.16.1) say on every checkpoint read, to no one who can
 # act on it: megatron's dist_checkpointing reads through torch's deprecated ShardedTensor and
@@ -70,12 +74,10 @@ def write_manifest(directory: Path, step: int) -> dict:
     manifest = {"format": 1, "step": step, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "files": {n: {"size": (directory / n).stat().st_size, "sha256": h}
                           for n, h in zip(names, digests)}}
-    tmp = directory / (MANIFEST + ".partial")
-    with open(tmp, "w") as f:
+    with written_whole(directory / MANIFEST) as tmp, open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
     return manifest
 
 
@@ -133,20 +135,52 @@ def latest(ckpt_dir: Path) -> Path | None:
     return None
 
 
-def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
-    """A run's step directory: the newest complete one, a step number, or a path.
-    ConvertError (the user's input, as for a weights file) when there is none."""
+def newest_intact(ckpt_dir: Path) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """The newest step directory that verifies (sizes and checksums), None when none does; and
+    the newer ones passed over, newest first, each with its problems (``verify``)."""
+    damaged = []
+    for path in reversed(step_dirs(ckpt_dir)):
+        problems = verify(path)
+        if not problems:
+            return path, damaged
+        damaged.append((path, problems))
+    return None, damaged
+
+
+def damage(path: Path, problems: list[str]) -> str:
+    """'step_000060 is damaged: <the first problems>', for a log or an error line."""
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"{path.name} is damaged: {'; '.join(problems[:3])}{more}"
+
+
+def find_checkpoint(run_dir: str | Path, checkpoint: str | int | None = None
+                    ) -> tuple[Path, list[str]]:
+    """A run's step directory that verifies against its manifest: the newest intact one, or
+    the one named by a step number or a path; and a line (``damage``) for each newer one passed
+    over. ConvertError (the user's input, as for a weights file) naming what is wrong when
+    there is none to read: the named checkpoint's damage, or each damaged checkpoint's."""
     ckpts = Path(run_dir) / "checkpoints"
     if checkpoint is None:
-        path = latest(ckpts) if ckpts.is_dir() else None
+        path, damaged = newest_intact(ckpts)
+        if path is None and damaged:
+            raise ConvertError(f"{run_dir}: no intact checkpoint under {ckpts}: "
+                               + "; ".join(damage(p, problems) for p, problems in damaged))
         if path is None:
-            raise ConvertError(f"{run_dir}: no complete checkpoint under {ckpts}")
-        return path
+            raise ConvertError(f"{run_dir}: no checkpoint under {ckpts}")
+        return path, [damage(p, problems) for p, problems in damaged]
     s = str(checkpoint)
-    if s.isdigit():
-        path = ckpts / f"step_{int(s):06d}"
-    else:
-        path = Path(s)
+    path = ckpts / f"step_{int(s):06d}" if s.isdigit() else Path(s)
     if not path.is_dir() or path.name.endswith(".tmp"):
         raise ConvertError(f"checkpoint {s!r}: no complete checkpoint directory {path}")
+    problems = verify(path)
+    if problems:
+        raise ConvertError(f"checkpoint {path.parent / damage(path, problems)}")
+    return path, []
+
+
+def checkpoint_dir(run_dir: str | Path, checkpoint: str | int | None = None) -> Path:
+    """``find_checkpoint``'s step directory; the newer ones it passed over are logged."""
+    path, passed = find_checkpoint(run_dir, checkpoint)
+    for line in passed:
+        log.warning("checkpoint %s; passing over it", line)
     return path

@@ -29,6 +29,7 @@ from vitgraph.convert.tables import ConvertError
 from vitgraph.data.loader import MEAN, STD
 from vitgraph.models.registry import (CLIP_MODELS, resolve_arch, resolve_clip_arch,
                                       resolve_pos_interp, tower_of)
+from vitgraph.output import write_text
 
 CLASSES_FILE = "classes.json"
 
@@ -39,10 +40,7 @@ TIMM_NAMES = frozenset({"vit_tiny_patch16_224", "vit_small_patch16_224", "vit_ba
 
 
 def write_classes(run_dir: Path, classes: list[str]) -> None:
-    path = Path(run_dir) / CLASSES_FILE
-    tmp = path.with_name(CLASSES_FILE + ".partial")
-    tmp.write_text(json.dumps(list(classes)) + "\n")
-    tmp.replace(path)
+    write_text(Path(run_dir) / CLASSES_FILE, json.dumps(list(classes)) + "\n")
 
 
 def read_classes(run_dir: Path, num_classes: int | None = None) -> list[str] | None:

@@ -18,6 +18,7 @@ from vitgraph.convert.names import ConvertError, detect_format, name_in_file, to
 from vitgraph.convert.openclip import INTO_CLASSIFIER
 from vitgraph.models.init import global_names as _global_names
 from vitgraph.models.vit import unwrap
+from vitgraph.output import written_whole
 
 log = logging.getLogger("vitgraph")
 
@@ -56,15 +57,22 @@ def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str | os.PathLike,
                      metadata: dict | None = None) -> Path:
-    """Write ``sd`` atomically (tmp + rename) as safetensors; metadata values become strings."""
+    """Write ``sd`` whole or not at all (vitgraph.output.written_whole) as safetensors;
+    metadata values become strings. OSError when it cannot be written (safetensors' own error
+    turned into one)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    with written_whole(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=meta)
+        except SafetensorError as e:  # "... I/O error: No space left on device (os error 28) ..."
+            io = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+            raise (OSError(int(io[2]), io[1], str(path)) if io else OSError(f"{path}: {e}")
+                   ) from None
     return path
 
 

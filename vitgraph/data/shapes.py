@@ -29,7 +29,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import tempfile
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ from PIL import Image, ImageDraw
 from vitgraph.data.config import DataConfig
 from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.native import ArrayImages, NativeDataset, spread
+from vitgraph.output import written_whole
 
 VERSION = 1
 CHUNK = 500
@@ -485,16 +485,9 @@ def _through_cache(cache_dir: str | None, params: dict, names: tuple, make, cach
     out = make()
     if path:
         os.makedirs(cache_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".shapes_", suffix=".npz.tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, **dict(zip(names[:-1], out[:-1])),
-                         **{names[-1]: np.array(out[-1], dtype=str)})
-            os.replace(tmp, path)  # atomic: concurrent ranks never see a half-written file
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        with written_whole(path) as tmp, open(tmp, "wb") as fh:  # ranks write it at once
+            np.savez(fh, **dict(zip(names[:-1], out[:-1])),
+                     **{names[-1]: np.array(out[-1], dtype=str)})
         prune_cache(cache_dir, cache_max_mb * 2**20, keep=path)
     return out
 

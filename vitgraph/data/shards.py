@@ -29,6 +29,7 @@ from vitgraph.data.dataset import DataError, ImageDataset
 from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, decode_image,
                                   for_device, read_size, resolve_decode)
 from vitgraph.data.native import NativeDataset, ShardMembers, read_sizes, spread
+from vitgraph.output import written_whole
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 INDEX = "index.json"
@@ -238,12 +239,9 @@ def member_sizes(paths: list[str], entries: list[tuple[int, int, int]], hws: lis
     sizes, _ = read_sizes(len(entries), lambda i: _member_size(paths[entries[i][0]],
                                                                *entries[i][1:]), workers)
     if cache:
-        import tempfile
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(cache), suffix=".npy.tmp")
-        with os.fdopen(fd, "wb") as fh:
+        with written_whole(cache) as tmp, open(tmp, "wb") as fh:
             np.save(fh, sizes)
-        os.replace(tmp, cache)
     return sizes
 
 

@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from vitgraph.output import plural
+
 from .backend import CaptureBackend, default_backend
 from .config import GraphsConfig
 
@@ -122,8 +124,8 @@ class StepGraphs:
         cap = self._graphs[key] = _Captured(static, rep, time.time() - t0)
         self._captures += 1
         self._capture_time += cap.seconds
-        log.info("graphs: captured the whole step for %d microbatches of %s in %.2fs%s",
-                 len(inputs), [t if t is None else tuple(t.shape) for t in inputs[0]], cap.seconds,
+        log.info("graphs: captured the whole step for %s of %s in %.2fs%s",
+                 plural(len(inputs), "microbatch"), [t if t is None else tuple(t.shape) for t in inputs[0]], cap.seconds,
                  f" ({rep.pool_bytes / 2**20:.0f} MiB pool)" if rep.pool_bytes else "")
         if not getattr(backend, "capture_runs", False):
             rep.replay()  # the capture only recorded the step: run it now

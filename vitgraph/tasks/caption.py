@@ -38,6 +38,7 @@ from vitgraph.models.build import transformer_config
 from vitgraph.models.caption import (TextPackSpec, build_caption, text_layout,
                                      vocab_parallel_argmax)
 from vitgraph.models.vit import unwrap, vit_flops_per_image, vit_flops_per_token
+from vitgraph.output import plural
 from vitgraph.tasks.base import Task, reduce_stats, require_captions, stats
 from vitgraph.tasks.classification import prepare_pack
 from vitgraph.text import make_tokenizer
@@ -130,8 +131,9 @@ class CaptionTask(Task):
     def describe(self, chunks, micro_batch):
         m, lm = unwrap(chunks[0]), self.lm
         n = sum(p.numel() for p in m.parameters())
-        head = (f"{self.plan.model.name} -> {lm.projector} projector -> GPT ({lm.num_layers} "
-                f"layers, width {lm.hidden_size}, {lm.num_heads} heads, {lm.vocab_size} "
+        head = (f"{self.plan.model.name} -> {lm.projector} projector -> GPT ("
+                f"{plural(lm.num_layers, 'layer')}, width {lm.hidden_size}, "
+                f"{plural(lm.num_heads, 'head')}, {lm.vocab_size} "
                 f"{lm.tokenizer} ids), spec {self.plan.spec}, {n} params on this rank, ")
         if self.pack is not None:
             k, t = self.pack, self.text_pack

@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 from vitgraph.config import CheckpointConfig
 from vitgraph.convert import ConvertError, read_dist_weights, save_safetensors
-from vitgraph.convert.checkpoints import (CheckpointError, CheckpointMismatch, quiet_reads, step_dirs, verify,
-                                          write_manifest)
+from vitgraph.convert.checkpoints import (CheckpointError, CheckpointMismatch, damage, newest_intact,
+                                          quiet_reads, step_dirs, verify, write_manifest)
 from vitgraph.parallel import fsdp
 from vitgraph.parallel.dist import Dist
 from vitgraph.train.optim import allocate_offloaded_state, offload_pickled_classes
@@ -417,15 +417,10 @@ def find_resumable(ckpt_dir: Path, d: Dist) -> Path | None:
     def choose():
         if d.rank != 0:
             return None
-        damaged = []
-        for path in reversed(step_dirs(ckpt_dir)):
-            problems = verify(path)
-            if not problems:
-                return str(path), damaged
-            damaged.append(problems)
-            log.warning("checkpoint %s is damaged, passing over it: %s", path.name,
-                        "; ".join(problems[:3]))
-        return None, damaged
+        path, damaged = newest_intact(ckpt_dir)
+        for passed, problems in damaged:
+            log.warning("checkpoint %s; passing over it", damage(passed, problems))
+        return str(path) if path else None, [problems for _, problems in damaged]
 
     chosen, damaged = _everyone(choose, d, f"checking the checkpoints in {ckpt_dir}")
     if chosen is None and damaged:

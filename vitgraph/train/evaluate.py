@@ -32,6 +32,7 @@ from vitgraph.config import Config
 from vitgraph.convert.checkpoints import checkpoint_dir
 from vitgraph.data import EncodedImages, build_datasets, iterate_eval, iterate_eval_packs
 from vitgraph.models.vit import unwrap
+from vitgraph.output import write_text
 from vitgraph.parallel.setup import (for_inference, init_distributed, launched_world_size,
                                      shutdown)
 from vitgraph.plan import resolve
@@ -186,12 +187,11 @@ def evaluate_checkpoint(cfg: Config, checkpoint: str | None = None, split: str =
                   **({"weights": "ema", **ema_metrics(evals)} if ema else evals)}
         if d.rank == 0:
             out = cfg.run_dir / eval_file_name(step, split, data, is_runs_own_data(cfg), ema)
-            tmp = out.with_name(out.name + ".partial")
-            tmp.write_text(json.dumps(result, indent=2) + "\n")
-            tmp.replace(out)
+            write_text(out, json.dumps(result, indent=2) + "\n")
             result["path"] = str(out)
-            print(f"eval of {path} ({cfg.data.kind} {cfg.data.path or ''} {split}, "
-                  f"{data['images']} images): {eval_line(result)} -> {out}", flush=True)
+            scored = " ".join(str(s) for s in (cfg.data.kind, cfg.data.path, split) if s)
+            print(f"eval of {path} ({scored}, {data['images']} images): {eval_line(result)} "
+                  f"-> {out}", flush=True)
         return result
     finally:
         shutdown()

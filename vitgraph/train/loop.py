@@ -21,6 +21,7 @@ from vitgraph.data.augment import augment_line
 from vitgraph.data.prefetch import Prefetcher
 from vitgraph.graphs.cudnn import warn_if_fallback
 from vitgraph.models.vit import unwrap
+from vitgraph.output import plural
 from vitgraph.parallel.setup import (collective_timeout, init_distributed, launched_world_size,
                                      parallelize, shutdown)
 from vitgraph.plan import resolve
@@ -206,9 +207,9 @@ class Trainer:
         log.info("graphs: %s", plan.graphs)
         if plan.pack_layout is not None:
             log.info("packing: %s", plan.pack_layout)
-        log.info("schedule: %d steps (%d per epoch), global batch %d = %d microbatches x %d x dp %d",
+        log.info("schedule: %d steps (%d per epoch), global batch %d = %s x %d x dp %d",
                  self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
-                 self.num_microbatches, t.micro_batch_size, d.dp)
+                 plural(self.num_microbatches, "microbatch"), t.micro_batch_size, d.dp)
         if d.cuda:
             _wire_ddp(self.model.config, self.wrapped, self.optimizer, plan.parallel)
         self.forward_backward = get_forward_backward_func()
