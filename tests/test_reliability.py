@@ -24,11 +24,13 @@ from conftest import (ROOT, assert_results, checkpoint_tensors, free_port, tiny_
 from vitgraph import config as config_module
 from vitgraph.cli import main
 from vitgraph.config import ConfigError, load_config
+from vitgraph.convert.checkpoints import checkpoint_dir
 from vitgraph.graphs.backend import RerunBackend
 from vitgraph.train.runcheck import save_config
 from faults import nan_loss_at
 from vitgraph.parallel.dist import Dist
 from vitgraph.train import checkpoint, loop
+from vitgraph import INTERRUPTED_EXIT, StopSignals
 from vitgraph.train.preempt import PREEMPTED_EXIT, StopRequests
 from vitgraph.train.runcheck import check_run_dir
 
@@ -178,6 +180,32 @@ def test_safe_changes_pass_the_resume_check(tmp_path):
                                             "model.name=vit_tiny_patch4_32"]))
 
 
+def test_starting_over_moves_the_previous_run_aside(tmp_path, capsys):
+    """checkpoint.resume=false: the folder then holds the new run alone (pruning, the log,
+    eval and a later resume saw the old run's files beside it), and the old run is kept
+    whole in previous-<time>/."""
+    run_dir = tmp_path / "run"
+    over = {"checkpoint.every": 2, "checkpoint.keep": 2, "train.log_every": 2}
+    assert train_here(capsys, run_dir, steps=6, **over)[0] == 0
+    old = snapshot(run_dir)
+    code, out, err = train_here(capsys, run_dir, "checkpoint.resume=false", steps=4, **over)
+    assert code == 0, err
+    aside = [p for p in run_dir.iterdir() if p.name.startswith("previous-")]
+    assert len(aside) == 1 and snapshot(aside[0]) == old  # moved whole, not a file changed
+    assert (f"the previous run's checkpoints/, classes.json, config.yaml, log.jsonl, "
+            f"metrics.json, train.log moved to {aside[0]}/ (delete it") in out
+    ckpt = run_dir / "checkpoints"
+    assert [p.name for p in checkpoint.step_dirs(ckpt)] == ["step_000002", "step_000004"]
+    assert [r["step"] for r in read_log(run_dir)] == [2, 4, 4]  # two log steps, one eval
+    assert json.loads((run_dir / "metrics.json").read_text())["step"] == 4
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["steps"] == 4
+    assert checkpoint_dir(run_dir) == ckpt / "step_000004"  # what vitgraph eval scores
+    assert checkpoint.find_resumable(ckpt, ONE) == ckpt / "step_000004"
+    # a later, longer run continues this one (not the old step 6: "finished")
+    cfg = load_config(DEFAULT, tiny_overrides(run_dir, 6, **over))
+    assert {c[0] for c in check_run_dir(cfg)} == {"train.steps", "checkpoint.resume"}
+
+
 # ---------------------------------------------------------------- 3. damaged checkpoints
 
 
@@ -272,10 +300,15 @@ def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(tmp_path,
 
     for d in checkpoint.step_dirs(ckpt):  # now damage every one
         (d / "manifest.json").write_text("{")
+    before = snapshot(run_dir)
     code, out, err = train_here(capsys, run_dir, steps=16, **over)
     assert code == 2, err
     assert "no intact checkpoint" in err and "checkpoint.resume=false" in err
+    assert "run.dir=<another folder>" in err and "run.name" not in err  # chosen by run.dir
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    after = snapshot(run_dir)  # a failed start: only its lines added to train.log
+    assert {k: v for k, v in after.items() if k != "train.log"} == \
+        {k: v for k, v in before.items() if k != "train.log"}
 
 
 # ---------------------------------------------------------------- 4. preemption
@@ -337,6 +370,82 @@ def test_sigterm_to_the_process_group_still_saves(tmp_path, env):
     assert checkpoint.verify(run_dir / "checkpoints" / latest) == []
 
 
+def test_ctrl_c_saves_exits_130_and_a_second_one_exits_at_once(tmp_path, env):
+    """Ctrl-C reaches the whole foreground process group, the run and megatron's writer
+    helper; under torchrun the workers get it twice (from the terminal, and passed on by
+    torchrun at once). Handled as SIGTERM is: the step finishes, a checkpoint is saved, one
+    line, no traceback, but exit 130 (not 75: a scheduler must not requeue what the user
+    stopped). It printed a KeyboardInterrupt traceback and saved nothing."""
+    run_dir = tmp_path / "run"
+    over = {"train.log_every": 1, "checkpoint.every": 3}  # the helper exists before the signal
+    cmd = vitgraph_cmd("train", DEFAULT, *tiny_overrides(run_dir, 40, **over))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _wait_for_steps(proc, run_dir, 5)
+        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # torchrun's copy: the same Ctrl-C
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == INTERRUPTED_EXIT, out[-2000:] + err[-2000:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    stopped = int(latest.split("_")[1])
+    assert stopped == max(losses(run_dir)) and checkpoint.verify(run_dir / "checkpoints" / latest) == []
+    assert err == (f"vitgraph: interrupted by SIGINT after step {stopped}/40; checkpoint "
+                   f"{run_dir / 'checkpoints' / latest} saved; run the same command to resume "
+                   f"(exit {INTERRUPTED_EXIT})\n"), err
+    assert "SIGINT received: stopped after step" in out and "Traceback" not in out
+
+    # a second Ctrl-C (a second after the first: vitgraph.AGAIN_AFTER_S) ends it at once
+    program = ("import os, signal, time, vitgraph\n"
+               "s = vitgraph.StopSignals().install()\n"
+               "os.kill(os.getpid(), signal.SIGINT)\n"
+               "assert s.received == 'SIGINT'\n"
+               "s._at -= vitgraph.AGAIN_AFTER_S\n"
+               "os.kill(os.getpid(), signal.SIGINT)\n"
+               "time.sleep(60)\n")
+    r = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == INTERRUPTED_EXIT and r.stderr.startswith(
+        "vitgraph: interrupted again (SIGINT): stopped at once, nothing saved") \
+        and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_ctrl_c_while_the_writer_helper_starts_does_not_hang(tmp_path, env):
+    """Ctrl-C as megatron's checkpoint-writer helper is spawned (seconds into a run): a
+    KeyboardInterrupt in the middle of the spawn left the helper, which ignores the stop
+    signals, running, and the process waited for it at exit forever. Now the run records it
+    as a stop (that the helper is deaf to it: the test below)."""
+    program = ("import datetime, os, signal, multiprocessing.context as mc\n"
+               "from vitgraph.train.preempt import StopRequests\n"
+               "real = mc.SpawnProcess.start\n"
+               "def start(self):\n"
+               "    real(self)\n"
+               "    os.kill(os.getpid(), signal.SIGINT)  # the helper starting\n"
+               "mc.SpawnProcess.start = start\n"
+               "stops = StopRequests(datetime.timedelta(minutes=1)).install()\n"
+               "stops.close()\n"
+               "print('received', stops.received)\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=150)  # a hang fails here
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0 and out == "received SIGINT\n", out + err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def _kill_group(proc) -> None:
+    """Whatever is left of a test's process group (a helper of a failed run)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -377,7 +486,7 @@ def _signal_during(monkeypatch, module, name: str, sig) -> None:
     real = getattr(module, name)
 
     def signalled(*args, **kwargs):
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.SIG_IGN):  # not this process's
+        if not isinstance(getattr(signal.getsignal(sig), "__self__", None), StopSignals):
             pytest.fail(f"{sig.name} during {name} would be lost or end the run unsaid")
         os.kill(os.getpid(), sig)
         return real(*args, **kwargs)
@@ -388,26 +497,29 @@ def _signal_during(monkeypatch, module, name: str, sig) -> None:
 @pytest.mark.parametrize("phase,where,sig", [
     ("launch", (config_module, "load_config"), signal.SIGTERM),
     ("data", (loop, "build_datasets"), signal.SIGTERM),
-    ("model build", (loop, "parallelize"), signal.SIGUSR1)],
-    ids=["launch", "data", "model-build"])
+    ("model build", (loop, "parallelize"), signal.SIGUSR1),
+    ("launch", (config_module, "load_config"), signal.SIGINT),
+    ("data", (loop, "build_datasets"), signal.SIGINT)],
+    ids=["launch", "data", "model-build", "launch-sigint", "data-sigint"])
 def test_a_stop_signal_during_start_up_exits_75_with_nothing_saved(tmp_path, capsys, monkeypatch,
                                                                   phase, where, sig):
-    """A job preempted while it starts: stopped at the next start-up milestone, exit 75, one
-    line naming the signal and the phase; nothing of the run is made beyond its config and
-    log, and the handlers of before the command are back."""
+    """A job preempted while it starts: stopped at the next start-up milestone, exit 75 (130
+    for a Ctrl-C), one line naming the signal and the phase, no traceback; nothing of the run
+    is made beyond its log, and the handlers of before the command are back."""
     _signal_during(monkeypatch, *where, sig)
     before = signal.getsignal(sig)
     run_dir = tmp_path / "run"
     code, out, err = train_here(capsys, run_dir)
+    exit_code = INTERRUPTED_EXIT if sig == signal.SIGINT else PREEMPTED_EXIT
     line = f"stopped by {sig.name} during start-up ({phase}), nothing saved"
-    assert code == PREEMPTED_EXIT and f"vitgraph: {line} (exit {PREEMPTED_EXIT})" in err, err
+    assert code == exit_code and err == f"vitgraph: {line} (exit {exit_code})\n", err
     assert signal.getsignal(sig) is before
     if phase == "launch":
         assert not run_dir.exists()
     else:
         assert line in (run_dir / "train.log").read_text()
         made = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*")}
-        assert made <= {"config.yaml", "train.log", "classes.json", "checkpoints"}, made
+        assert made == {"train.log"}, made
 
 
 def test_a_stop_signal_during_graph_capture_stops_after_that_step_saved(tmp_path, capsys,
@@ -458,9 +570,10 @@ def test_a_stop_signal_while_the_writer_helper_starts_is_kept(monkeypatch):
         assert fa._results_queue == "queue" and stops.received == "SIGTERM"
     finally:
         stops.close()
-    assert {signal.SIGTERM, signal.SIGUSR1} <= Manager.blocked  # inherited by the helper
-    assert Manager.args[1:] == ((signal.SIGTERM, signal.SIGUSR1),)  # what it then ignores
-    assert not {signal.SIGTERM, signal.SIGUSR1} & signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    stops = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT}
+    assert stops <= Manager.blocked  # inherited by the helper
+    assert set(Manager.args[1]) == stops  # what it then ignores (a Ctrl-C too)
+    assert not stops & signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 def test_a_stop_signal_during_the_imports_exits_75_not_143(tmp_path, env):

@@ -2,6 +2,7 @@
 import ctypes
 import os
 import signal
+import time
 import warnings
 
 __version__ = "0.1.0"
@@ -50,20 +51,28 @@ def _driver_initialised() -> bool:
     return cuda.cuDeviceGetCount(ctypes.byref(n)) != 3
 
 
-# SIGTERM, and SIGUSR1 as SLURM's ``--signal`` sends it: stop the run (docs/reliability.md)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGTERM, and SIGUSR1 as SLURM's ``--signal`` sends it: stop the run, to be requeued (exit 75);
+# SIGINT (Ctrl-C): the same stop, asked for by the user (exit 130, 128 + SIGINT, which
+# schedulers do not requeue). docs/reliability.md
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+# torchrun passes the SIGINT it gets on to its workers at once, and a terminal's Ctrl-C
+# reaches them too: a SIGINT this soon after the first stop signal is that same Ctrl-C
+AGAIN_AFTER_S = 1.0
 
 
 class StopSignals:
-    """Stop signals recorded, not acted on: ``received`` names the first one.
+    """Stop signals recorded, not acted on: ``received`` names the first one. A later SIGINT
+    (a second Ctrl-C) ends the process at once, exit 130, nothing saved.
 
     ``vitgraph train`` installs this before its first heavy import (torch and megatron-core
-    take seconds to import, during which Python's default handler would kill the process
-    with 143 and nothing said); the run checks ``received`` at each start-up milestone and
-    after every step (vitgraph.train.preempt)."""
+    take seconds to import, during which Python's default handlers would kill the process
+    with 143, or print a KeyboardInterrupt traceback); the run checks ``received`` at each
+    start-up milestone and after every step (vitgraph.train.preempt)."""
 
     def __init__(self):
         self.received: str | None = None
+        self._at = 0.0
         self._previous: dict = {}
 
     def install(self) -> "StopSignals":
@@ -73,7 +82,14 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received, self._at = signal.Signals(signum).name, time.monotonic()
+        elif signum == signal.SIGINT and time.monotonic() - self._at >= AGAIN_AFTER_S:
+            # at once: no unwinding (a collective could wait on a peer); a checkpoint being
+            # written stays a .tmp folder, never loaded
+            os.write(2, b"vitgraph: interrupted again (SIGINT): stopped at once, nothing "
+                        b"saved; the same command resumes from the newest complete "
+                        b"checkpoint, if any (exit 130)\n")
+            os._exit(INTERRUPTED_EXIT)
 
     def restore(self) -> None:
         """The handlers from before ``install``."""

@@ -150,6 +150,15 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vitgraph import INTERRUPTED_EXIT
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C in a command other than train (train records it)
+        print(f"vitgraph: interrupted (exit {INTERRUPTED_EXIT})", file=sys.stderr)
+        return INTERRUPTED_EXIT
+
+
+def _main(argv: list[str] | None) -> int:
     from vitgraph import StopSignals, set_hardware_queues
     set_hardware_queues()  # before any import below can initialise CUDA
     parser = _parser()
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     # a stop signal from here on is recorded, and stops the run at its next start-up
-    # milestone (exit 75); the imports below take seconds, and would die of it unsaid (143)
+    # milestone (exit 75; SIGINT 130); the imports below take seconds, and would die of it
+    # unsaid (143) or with a KeyboardInterrupt traceback
     signals = StopSignals().install() if args.command == "train" else None
     try:
         from vitgraph.config import ConfigError, check_layout, load_config
@@ -203,11 +213,12 @@ def _run(cfg, args, signals=None) -> int:
     from vitgraph.convert.checkpoints import CheckpointMismatch
     from vitgraph.train.checkpoint import NoIntactCheckpoint
     from vitgraph.train.loop import TrainingFailed
-    from vitgraph.train.preempt import PREEMPTED_EXIT, Preempted
+    from vitgraph.train.preempt import Preempted
     # exit codes: 0 done (or already finished), 2 the user's input (config, data, weights, no
     # usable checkpoint; nothing trained), PREEMPTED_EXIT (75) stopped by a signal: with a
-    # checkpoint saved, or during start-up with nothing to save (requeue either way), 1 a
-    # failure during training (traceback in train.log)
+    # checkpoint saved, or during start-up with nothing to save (requeue either way),
+    # INTERRUPTED_EXIT (130) the same for a SIGINT (Ctrl-C), 1 a failure during training
+    # (traceback in train.log)
     try:
         if args.command == "eval":
             from vitgraph.train.evaluate import evaluate_checkpoint
@@ -226,8 +237,8 @@ def _run(cfg, args, signals=None) -> int:
         print(f"vitgraph: checkpoint error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:
-        print(f"vitgraph: {e} (exit {PREEMPTED_EXIT})", file=sys.stderr)
-        return PREEMPTED_EXIT
+        print(f"vitgraph: {e} (exit {e.exit_code})", file=sys.stderr)
+        return e.exit_code
     except TrainingFailed as e:
         print(f"vitgraph: {e}", file=sys.stderr)
         return 1

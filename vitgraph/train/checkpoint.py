@@ -65,11 +65,15 @@ class Checkpointer:
     the optimizer as sharded tensors with global names (any layout can load them), the LR
     schedule and the data position as common state; with train.ema (``ema``) the EMA of the
     weights under the model's names prefixed "ema." and its step count. parallel.fsdp
-    (``fsdp``): the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp)."""
+    (``fsdp``): the same tensors, this rank's pieces of them (vitgraph.parallel.fsdp).
+    ``new_run``: how the command would name another run folder, for the message when every
+    checkpoint is damaged (vitgraph.train.runcheck.new_run_hint)."""
 
     def __init__(self, section: CheckpointConfig, run_dir: Path, total_steps: int, d: Dist,
-                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: bool = False):
+                 chunks: list, optimizer, scheduler, loader, ema=None, fsdp: bool = False,
+                 new_run: str = "run.dir=<another folder>"):
         self.section, self.dir = section, run_dir / "checkpoints"
+        self.new_run = new_run
         self.total_steps, self.d, self.fsdp = total_steps, d, fsdp
         # what a checkpoint holds
         self.chunks, self.optimizer, self.scheduler = chunks, optimizer, scheduler
@@ -115,7 +119,7 @@ class Checkpointer:
         and EMA; its step, or None where there is none (or checkpoint.resume=false)."""
         if not self.section.resume:
             return None
-        path = find_resumable(self.dir, self.d)
+        path = find_resumable(self.dir, self.d, self.new_run)
         if path is None:
             return None
         with_ema = self.ema is not None and holds_ema(path)
@@ -237,7 +241,10 @@ def start_writer_helper(signals) -> None:
     ignoring it here for that while lost it, and the run trained on. The helper ends with
     this process (megatron's finalizer) or, when this process is killed outright (``kill
     -9``, the OOM killer), by the parent-death signal ``_die_with_parent`` asks the kernel
-    for. Made here as megatron makes it (a spawn-context manager's queue), in megatron's slot."""
+    for. Made here as megatron makes it (a spawn-context manager's queue), in megatron's slot.
+    ``signals`` include SIGINT: with Python's default handler a Ctrl-C raised KeyboardInterrupt
+    in the middle of the spawn, and the process then waited at exit, forever, for a helper
+    that ignores the signals."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:
@@ -411,9 +418,11 @@ def _prune(ckpt_dir: Path, keep: int, newest: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def find_resumable(ckpt_dir: Path, d: Dist) -> Path | None:
+def find_resumable(ckpt_dir: Path, d: Dist, new_run: str = "run.dir=<another folder>"
+                   ) -> Path | None:
     """The newest intact checkpoint, checked on rank 0 and agreed by all ranks. None when there
-    is no checkpoint at all; CheckpointError when there are some and none is intact."""
+    is no checkpoint at all; NoIntactCheckpoint when there are some and none is intact (its
+    message suggests ``new_run`` for a new run)."""
     def choose():
         if d.rank != 0:
             return None
@@ -427,7 +436,8 @@ def find_resumable(ckpt_dir: Path, d: Dist) -> Path | None:
         raise NoIntactCheckpoint(
             f"no intact checkpoint in {ckpt_dir}: "
             + "; ".join(p[0] for p in damaged[:3])
-            + ". Start over with checkpoint.resume=false, or start a new run with run.name=...")
+            + f". Start over with checkpoint.resume=false (the damaged ones are moved aside), "
+            f"or start a new run with {new_run}")
     return Path(chosen) if chosen else None
 
 

@@ -34,16 +34,18 @@ from vitgraph.train.health import StepHealth
 from vitgraph.train.metrics import (MetricsWindow, RecordLog, StepResult, eval_line, graphs_line,
                                     train_line)
 from vitgraph.train.optim import build_optimizer, build_scheduler, lr_scales, optim_line
-from vitgraph.train.preempt import Preempted, StopRequests
-from vitgraph.train.runcheck import FinishedRun, check_run_dir, is_rank0, save_config
+from vitgraph.train.preempt import INTERRUPTED_EXIT, Preempted, StopRequests
+from vitgraph.train.runcheck import (FinishedRun, check_run_dir, is_rank0, new_run_hint,
+                                     save_config, set_aside_previous_run)
 
 log = logging.getLogger("vitgraph")
 
 
 def _start_run_dir(cfg: Config) -> None:
-    """The run folder with ``cfg`` as config.yaml (what a resumed run is checked against) and
-    the log, on rank 0 (torchrun's RANK), before the process groups: the others wait for it
-    where the groups are made."""
+    """The run folder and its log, on rank 0 (torchrun's RANK), before the process groups: the
+    others wait for it where the groups are made. Starting over (checkpoint.resume=false)
+    first moves the previous run's files aside, into a folder of their own. config.yaml is
+    written once start-up is through (Trainer._own_run_dir)."""
     log.setLevel(logging.INFO)
     log.handlers.clear()
     log.propagate = False
@@ -51,11 +53,15 @@ def _start_run_dir(cfg: Config) -> None:
         log.addHandler(logging.NullHandler())
         return
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, cfg.run_dir / "config.yaml")
+    moved = None if cfg.checkpoint.resume else set_aside_previous_run(cfg.run_dir)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(cfg.run_dir / "train.log")):
         h.setFormatter(fmt)
         log.addHandler(h)
+    if moved is not None:
+        folder, names = moved
+        log.info("checkpoint.resume=false: the previous run's %s moved to %s/ (delete it if "
+                 "you do not need it)", ", ".join(names), folder)
 
 
 class Progress:
@@ -118,6 +124,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, stops: StopRequests | None = None):
         self.stops = stops
+        self.cfg = cfg  # for the run folder's config.yaml and the hints of error messages
         self.run_dir = cfg.run_dir
         _start_run_dir(cfg)
         try:
@@ -184,8 +191,6 @@ class Trainer:
         self.chunks = self.task.build_model()
         self.model = self.chunks[0]
         self.wrapped, self.graphs = parallelize(self.chunks, plan, d)
-        if d.rank == 0:  # what an export of the run names its classes by
-            write_classes(self.run_dir, self.train_set.classes)
         self._build_training()
         self._at_startup("model build")
 
@@ -221,7 +226,8 @@ class Trainer:
         self.records = RecordLog(self.run_dir, d.rank == 0, t.tensorboard)
         self.checkpointer = Checkpointer(plan.checkpoint, self.run_dir, self.total_steps, d,
                                          self.chunks, self.optimizer, self.scheduler,
-                                         self.loader, self.ema, plan.fsdp)
+                                         self.loader, self.ema, plan.fsdp,
+                                         new_run_hint(self.cfg))
         self.step = 0
         if d.cuda:
             warn_if_fallback(log)
@@ -330,6 +336,7 @@ class Trainer:
         if self.stops is None:
             self.stops = StopRequests(collective_timeout(self.plan.parallel)).install()
         self._at_startup("resume")  # the last milestone: graphs are captured in the first steps
+        self._own_run_dir()
         health = StepHealth(t.max_bad_steps)
         window = MetricsWindow(self.d.device, self.d, t.global_batch_size,
                                self.flops_per_sample, t.peak_flops if self.d.cuda else None,
@@ -363,6 +370,14 @@ class Trainer:
                     window.restart_clock()
         health.check(self.step)
         return self._finish(record, time.time() - t_start)
+
+    def _own_run_dir(self) -> None:
+        """Rank 0, once start-up is through: config.yaml (what a resume is checked against)
+        and classes.json (what an export names the classes by). Not earlier: a start that
+        fails (every checkpoint damaged, a stop signal) leaves them as they were."""
+        if self.d.rank == 0:
+            save_config(self.cfg, self.run_dir / "config.yaml")
+            write_classes(self.run_dir, self.train_set.classes)
 
     def _log_window(self, window: MetricsWindow, health: StepHealth, eta_s: float) -> dict:
         graphs = self.graphs.stats()
@@ -414,10 +429,11 @@ class Trainer:
         """A stop signal reached a rank: every rank is here at the same step. Save and leave."""
         if self.step > self.checkpointer.saved_step:
             self.checkpointer.save(self.step)
-        saved = self.checkpointer.saved_line()
-        log.warning("%s received: stopped after step %d/%d; %s", self.stops.received or
-                    "a stop signal (on another rank)", self.step, self.total_steps, saved)
-        raise Preempted(f"preempted after step {self.step}/{self.total_steps}; {saved}")
+        saved, code = self.checkpointer.saved_line(), self.stops.exit_code()
+        log.warning("%s received: stopped after step %d/%d; %s", self.stops.by(), self.step,
+                    self.total_steps, saved)
+        what = f"interrupted by {self.stops.by()}" if code == INTERRUPTED_EXIT else "preempted"
+        raise Preempted(f"{what} after step {self.step}/{self.total_steps}; {saved}", code)
 
     def close(self, shutdown_dist: bool = True, failed: bool = False):
         if self.stops is not None:

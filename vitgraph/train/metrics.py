@@ -177,16 +177,18 @@ class RecordLog:
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
         self.path = run_dir / "log.jsonl"
         self.enabled = enabled
+        self.tensorboard = run_dir / "tensorboard" if enabled and tensorboard else None
         self.writer = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None and self.writer is None:
+            # at the first record, not before: a start that fails writes no events file
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.tensorboard))
         if self.writer is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):

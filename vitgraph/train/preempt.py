@@ -1,7 +1,8 @@
 """Preemption: SIGTERM (or SIGUSR1, as SLURM's ``--signal`` sends) finishes the current step,
 saves a checkpoint and exits with ``PREEMPTED_EXIT``; during start-up (before the first step)
-it stops at the next start-up milestone, nothing saved, with the same exit code. The same
-command resumes (or starts) the run."""
+it stops at the next start-up milestone, nothing saved, with the same exit code. SIGINT
+(Ctrl-C) does the same and exits with ``INTERRUPTED_EXIT`` (130); a second one exits at once
+(vitgraph.StopSignals). The same command resumes (or starts) the run."""
 from __future__ import annotations
 
 import datetime
@@ -9,7 +10,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from vitgraph import STOP_SIGNALS, StopSignals
+from vitgraph import INTERRUPTED_EXIT, STOP_SIGNALS, StopSignals
 from vitgraph.train.checkpoint import start_writer_helper
 
 # EX_TEMPFAIL (sysexits.h): "try again later". scripts/slurm/train.sbatch requeues on it: a
@@ -19,7 +20,19 @@ PREEMPTED_EXIT = 75
 
 class Preempted(Exception):
     """Raised after the checkpoint is saved, or at a start-up milestone with nothing to save;
-    the CLI turns it into PREEMPTED_EXIT."""
+    the CLI exits with ``exit_code``: PREEMPTED_EXIT, or INTERRUPTED_EXIT for a SIGINT."""
+
+    def __init__(self, message: str, exit_code: int = PREEMPTED_EXIT):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# what the ranks agree on (the largest wins): no stop, a stop signal, SIGINT (the user's)
+NONE, STOP, INTERRUPT = 0, 1, 2
+
+
+def _kind(received: str | None) -> int:
+    return NONE if received is None else INTERRUPT if received == "SIGINT" else STOP
 
 
 class StopRequests:
@@ -41,6 +54,7 @@ class StopRequests:
         self._group = None
         self._work = None
         self._flag = None
+        self.agreed = NONE  # what the ranks last agreed on (NONE, STOP or INTERRUPT)
 
     @property
     def received(self) -> str | None:
@@ -68,28 +82,39 @@ class StopRequests:
         rank once any rank has received a stop signal. Every rank reaches the milestones in
         the same order; with several ranks the agreement waits for all of them (an
         all-reduce), before the process groups exist this rank decides alone."""
-        stop = self.received is not None
+        self.agreed = _kind(self.received)
         if self._several_ranks():
-            flag = torch.tensor([int(stop)])
+            flag = torch.tensor([self.agreed])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            stop = bool(flag.item())
-        if stop:
-            raise Preempted(f"stopped by {self.received or 'a stop signal (on another rank)'} "
-                            f"during start-up ({phase}), nothing saved")
+            self.agreed = int(flag.item())
+        if self.agreed:
+            raise Preempted(f"stopped by {self.by()} during start-up ({phase}), nothing saved",
+                            self.exit_code())
 
     def poll(self) -> bool:
         """True on every rank at the same step once any rank has received a signal. Every rank
         calls it after every step."""
         if not self._several_ranks():
-            return self.received is not None
-        stop = False
+            self.agreed = _kind(self.received)
+            return bool(self.agreed)
         if self._work is not None:
             self._work.wait()
-            stop = bool(self._flag.item())
-        self._flag = torch.tensor([int(self.received is not None)])
+            self.agreed = int(self._flag.item())
+        self._flag = torch.tensor([_kind(self.received)])
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group,
                                      async_op=True)
-        return stop
+        return bool(self.agreed)
+
+    def by(self) -> str:
+        """What stopped the run, once agreed: this rank's signal, or another rank's."""
+        if _kind(self.received) == self.agreed:
+            return self.received
+        return "SIGINT (on another rank)" if self.agreed == INTERRUPT else \
+            "a stop signal (on another rank)"
+
+    def exit_code(self) -> int:
+        """The same on every rank: INTERRUPTED_EXIT once a SIGINT reached any of them."""
+        return INTERRUPTED_EXIT if self.agreed == INTERRUPT else PREEMPTED_EXIT
 
     def close(self, wait: bool = True) -> None:
         """``wait=False`` on a failing run: the last flag exchange may not complete before

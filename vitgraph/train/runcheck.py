@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import yaml
@@ -76,7 +77,7 @@ def check_run_dir(cfg: Config) -> list[tuple[str, object, object]]:
         lines = "\n".join(f"  {k}: {o!r} (run) -> {n!r} (now)" for k, o, n in unsafe)
         raise ConfigError(
             f"{run_dir} holds a run with another setup; resuming it with this config would "
-            f"train something else:\n{lines}\nStart a new run with {_new_run(cfg)}, or start "
+            f"train something else:\n{lines}\nStart a new run with {new_run_hint(cfg)}, or start "
             f"this one over with checkpoint.resume=false.")
     if metrics_path.is_file():
         _stop_if_finished(cfg, metrics_path)
@@ -103,15 +104,40 @@ def _stop_if_finished(cfg: Config, metrics_path: Path) -> None:
         f"vitgraph: {run_dir} is a finished run (step {done}); nothing was changed. Results: "
         f"{metrics_path.resolve()} (log {run_dir / 'log.jsonl'}, checkpoints "
         f"{run_dir / 'checkpoints'}). To train it further ask for more steps, e.g. "
-        f"train.steps={2 * done}; for a new run pass {_new_run(cfg)}.", metrics)
+        f"train.steps={2 * done}; for a new run pass {new_run_hint(cfg)}.", metrics)
 
 
-def _new_run(cfg: Config) -> str:
+def new_run_hint(cfg: Config) -> str:
     """How this command names another run folder: run.dir when it chose its folder by
     run.dir (run.name then changes nothing), else run.name."""
     if cfg.run.dir:
         return "run.dir=<another folder>"
     return "run.name=<new name> (or run.dir=<folder>)"
+
+
+# what a run writes into its folder (the ``.tmp`` / ``.partial`` ones: a write cut short)
+RUN_FILES = ("config.yaml", "config.tmp", "classes.json*", "train.log", "log.jsonl",
+             "metrics.json*", "eval-*.json", "tensorboard", "checkpoints")
+
+
+def set_aside_previous_run(run_dir: Path) -> tuple[Path, list[str]] | None:
+    """Starting over (checkpoint.resume=false): the previous run's files in ``run_dir`` moved
+    into ``run_dir/previous-<UTC time>/``, so that the folder holds the new run alone (its
+    checkpoints, pruning, log, eval, a later resume) and nothing of the old one is lost.
+    Returns (that folder, the names moved), None when there was nothing to move. Rank 0 only,
+    before the process groups (the other ranks touch the folder after them)."""
+    found = sorted({p.name for pattern in RUN_FILES for p in run_dir.glob(pattern)})
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder, n = run_dir / f"previous-{stamp}", 1
+    while folder.exists():  # started over twice in a second
+        n += 1
+        folder = run_dir / f"previous-{stamp}-{n}"
+    folder.mkdir()
+    for name in found:
+        os.replace(run_dir / name, folder / name)
+    return folder, [f"{name}/" if (folder / name).is_dir() else name for name in found]
 
 
 def is_rank0() -> bool:
