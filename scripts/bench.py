@@ -313,6 +313,16 @@ def _world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def stand_in_data(num_classes: int) -> list[str]:
+    """The overrides of a bench run's data: a small shapes set the Trainer builds and the bench
+    never reads (it feeds its own tensors), and a head of ``num_classes`` (the peers'), which
+    the config checks against the shapes' class count: at most all of theirs."""
+    from vitgraph.data import SHAPES_CLASSES
+    return ["data.kind=shapes", "data.num_train=64", "data.num_val=64", "data.render_size=32",
+            f"data.num_classes={min(num_classes, len(SHAPES_CLASSES))}",
+            f"model.num_classes={num_classes}"]
+
+
 def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warmup: int,
                    iters: int, num_classes: int, microbatches: int,
                    overrides: list[str] = (), scope: str = "layer", data: str | None = None) -> dict:
@@ -322,8 +332,7 @@ def bench_vitgraph(model: str, mb: int, graphs: str | None, precision: str, warm
         "train.precision=fp8", f"train.fp8_recipe={precision.split('-', 1)[1]}"]
     if graphs == "local" and precision != "bf16":
         graphs = "te"  # TE owns the FP8 state around a replay
-    over = [f"model.name={model}", "model.spec=te", "data.kind=shapes", "data.num_train=64",
-            "data.num_val=64", "data.render_size=32", f"model.num_classes={num_classes}",
+    over = [f"model.name={model}", "model.spec=te", *stand_in_data(num_classes),
             f"train.micro_batch_size={mb}", "train.steps=100000", *prec,
             "train.tensorboard=false", "train.progress=false", "optim.clip_grad=1.0",
             # the peers train on ready tensors with plain cross-entropy: so does this step
@@ -625,8 +634,7 @@ def bench_vitgraph_native(model: str, system: str, grids: list, max_patches: int
     attention, impl, scope = {**NATIVE_SYSTEMS, **VLM_SYSTEMS}[system]
     padded = attention == "padded"
     k = 1 if padded else packs_per_step
-    over = [f"model.name={model}", "model.spec=te", "data.kind=shapes", "data.num_train=64",
-            "data.num_val=64", "data.render_size=32", f"model.num_classes={num_classes}",
+    over = [f"model.name={model}", "model.spec=te", *stand_in_data(num_classes),
             "data.resolution=native", f"data.packing.max_patches={max_patches}",
             f"data.packing.layout={'padded' if padded else 'packed'}",
             "train.micro_batch_size=1", "train.steps=100000", "train.precision=bf16",
@@ -787,8 +795,7 @@ def bench_vlm_dense(model: str, system: str, grids: list, max_patches: int, *, b
         raise ValueError(f"the dense rows need a square max_patches (not {max_patches})")
     size = patch * side
     over = [f"model.name={model}", "model.spec=te", f"model.image_size={size}",
-            "data.kind=shapes", "data.num_train=64", "data.num_val=64", "data.render_size=32",
-            f"model.num_classes={num_classes}", f"train.micro_batch_size={batch}",
+            *stand_in_data(num_classes), f"train.micro_batch_size={batch}",
             f"train.global_batch_size={batch * _world()}", "train.steps=100000",
             "train.precision=bf16", "train.tensorboard=false", "train.progress=false",
             "optim.clip_grad=1.0", "data.augment.enabled=false", "train.label_smoothing=0",
