@@ -227,3 +227,16 @@ def test_the_log_line_says_gpu_only_where_it_has_an_mfu():
          "images_per_s": 10.0, "tflops_per_gpu": 0.01, "peak_mem_gib": 0.5}
     assert "0.01 TFLOP/s/device | mem" in train_line(r, 10, 1.0)
     assert "0.01 TFLOP/s/gpu | MFU 1.0%" in train_line({**r, "mfu": 0.01}, 10, 1.0)
+
+
+def test_a_timm_teacher_without_timm_is_a_config_error(monkeypatch):
+    """A random-init timm teacher needs timm (the test extra): said at the config, exit 2,
+    not as a ModuleNotFoundError after the run folder is made."""
+    import importlib.util
+    over = ["train.distill.teacher=timm:vit_tiny_patch16_224"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "timm" else real(name, *a))
+    msg = _error(DEFAULT, over)
+    assert msg.startswith("override train.distill.teacher='timm:vit_tiny_patch16_224': needs the "
+                          "timm package"), msg

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import tempfile
 import typing
@@ -222,6 +223,9 @@ def _validate_distill(dt: DistillConfig, err) -> None:
         if dt.teacher.startswith("timm:"):
             if not dt.teacher[5:]:
                 err("train.distill.teacher", dt.teacher, "'timm:<name>' needs a timm model name")
+            elif importlib.util.find_spec("timm") is None:
+                err("train.distill.teacher", dt.teacher, "needs the timm package (pip install "
+                    "timm, or pip install -e .[test])")
         elif teacher.is_dir():
             if not (teacher / "config.yaml").is_file():
                 err("train.distill.teacher", dt.teacher, "a directory without config.yaml "
