@@ -292,7 +292,7 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path, t
     from vitgraph.parallel.setup import init_distributed, shutdown
     from vitgraph.plan import resolve
     from vitgraph.tasks.classification import ClassificationTask
-    from vitgraph.convert.checkpoints import latest
+    from vitgraph.convert.checkpoints import checkpoint_dir
     cfg = load_config(TINY, [*RUN, "train.steps=1", f"run.dir={tmp_path / 'student'}",
                              f"train.distill.teacher={teacher_run}",
                              "train.distill.weight=0.4", "train.distill.temperature=2"])
@@ -303,7 +303,7 @@ def test_a_vitgraph_teacher_is_the_runs_model_and_checks_its_classes(tmp_path, t
         task = ClassificationTask(plan, d)
         task.num_classes = 10
         (student,) = task.build_model()
-        sd, step = read_checkpoint_weights(latest(teacher_run / "checkpoints"))
+        sd, step = read_checkpoint_weights(checkpoint_dir(teacher_run))
         assert step == 5
         load_into_model(student, sd)
         student.eval()

@@ -127,14 +127,6 @@ def step_dirs(ckpt_dir: Path) -> list[Path]:
                   key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def latest(ckpt_dir: Path) -> Path | None:
-    """The newest step directory whose files match its manifest's sizes (cheap), or None."""
-    for path in reversed(step_dirs(ckpt_dir)):
-        if not verify(path, checksums=False):
-            return path
-    return None
-
-
 def newest_intact(ckpt_dir: Path) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
     """The newest step directory that verifies (sizes and checksums), None when none does; and
     the newer ones passed over, newest first, each with its problems (``verify``)."""
