@@ -29,10 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 from megatron.core import parallel_state as ps
 
-from vitgraph.config import ConfigError, ModelConfig, _build
+from vitgraph.config import ConfigError, ModelConfig, run_model_config
 from vitgraph.convert import ConvertError, init_from, load_into_model, read_checkpoint_weights
 from vitgraph.convert.checkpoints import checkpoint_dir
 from vitgraph.graphs.backend import default_backend
@@ -226,9 +225,8 @@ def _run_teacher(run: Path, plan, d, num_classes: int):
     saved = run / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"{KEY}={src!r}: a directory without config.yaml (not a vitgraph run)")
-    raw = yaml.safe_load(saved.read_text()) or {}
     try:
-        mcfg = _build(ModelConfig, raw.get("model") or {}, str(saved), "model.")
+        mcfg, raw = run_model_config(run)
     except ConfigError as e:
         raise ConfigError(f"{KEY}={src!r}: {e}") from e
     kind = (raw.get("task") or {}).get("kind", "auto")
