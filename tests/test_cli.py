@@ -209,8 +209,7 @@ def test_export_out_is_a_file_or_a_folder_and_a_bad_one_is_one_line(trained, tmp
     assert (tmp_path / "group.json").stat().st_mode & 0o777 == 0o664
 
     (tmp_path / "a-file").write_text("")
-    bad = {str(tmp_path / "a-file" / "w.safetensors"): f"{tmp_path / 'a-file'} is a file, not a "
-                                                       f"folder",
+    bad = {str(tmp_path / "a-file" / "w.safetensors"): f"{tmp_path / 'a-file'} is a file",
            str(tmp_path / "a-file"): "a file that is not .safetensors; --out is a .safetensors "
                                      "file or a folder"}
     for out, problem in bad.items():

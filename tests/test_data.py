@@ -768,14 +768,21 @@ def test_webdataset_loader_splits_ranks_and_resumes_exactly(shards):
     assert all(torch.equal(w[1], g[1]) for w, g in zip(want, got))  # decoded pixels too
 
 
-def test_webdataset_png_input_and_errors(tmp_path):
+def test_webdataset_png_input_and_errors(tmp_path, monkeypatch):
+    from vitgraph.data import class_count, native_size_sample
     src = _shapes_folder(tmp_path / "f", n_train=8, n_val=4, fmt="PNG")
     out = _make_shards(src, tmp_path / "s", "--shard-size", "5")
     train, val = build_datasets(wds_cfg(out), seed=0)
     assert train.images[torch.arange(8)].shape == (8, 24, 24, 3) and len(val) == 4
     with open(out / "train-000000.tar", "rb") as f:
         assert b"JFIF" in f.read(4096)  # re-encoded as JPEG for nvJPEG
-    with pytest.raises(DataError, match="webdataset"):
+    # data.path under ~, which the config's check expands: every reader expands it too
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for cfg in (wds_cfg("~/s"), folder_cfg("~/f", render_size=24)):
+        assert class_count(cfg) == len(train.classes)
+        assert len(build_datasets(cfg, seed=0)[0]) == 8
+        assert len(native_size_sample(cfg, 0, 4)) == 4
+    with pytest.raises(DataError, match="no such directory"):
         build_datasets(wds_cfg(tmp_path / "nope"), seed=0)
     empty = tmp_path / "empty"
     empty.mkdir()

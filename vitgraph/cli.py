@@ -438,19 +438,18 @@ def _export_path(out: str) -> Path:
     """The weights file ``--out`` names: a path ending in .safetensors is that file; any other
     path is a folder, which gets model.safetensors (the name Hugging Face's
     from_pretrained(DIR) and timm's create_model('local-dir:DIR') read) and the side files.
-    ConvertError, before any work, where the folder cannot be made or written."""
+    ConvertError, before any work, where the folder cannot be made or written (``unwritable``)."""
     from vitgraph.convert import ConvertError
+    from vitgraph.output import unwritable
     given = Path(out).expanduser()
     weights = given if given.suffix == ".safetensors" and not given.is_dir() else (
         given / "model.safetensors")
-    folder = next(p for p in (weights.parent, *weights.parent.parents) if p.exists())
-    if folder == given and not folder.is_dir():
+    if given.is_file() and weights != given:
         raise ConvertError(f"--out {out}: a file that is not .safetensors; --out is a "
                            f".safetensors file or a folder (written as <folder>/model.safetensors)")
-    if not folder.is_dir():
-        raise ConvertError(f"--out {out}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConvertError(f"--out {out}: {folder} is not writable")
+    why = unwritable(weights.parent)
+    if why:
+        raise ConvertError(f"--out {out}: {why}")
     return weights
 
 

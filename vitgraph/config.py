@@ -13,7 +13,6 @@ import dataclasses
 import difflib
 import importlib.util
 import os
-import tempfile
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from vitgraph.data.native import pack_spec
 from vitgraph.graphs.config import GraphsConfig
 from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch
 from vitgraph.models.specs import te_available
+from vitgraph.output import unwritable
 from vitgraph.text import BPE_VOCAB_SIZE, hf_name, tokenizer_kind
 from vitgraph.text.bpe import available
 from vitgraph.text.hf import problem as hf_problem
@@ -1080,28 +1080,9 @@ def validate_machine(cfg: Config) -> None:
                               "Transformer Engine (pip install -e .[te]); use model.spec=torch "
                               "or auto without them")
     name, value = ("run.dir", cfg.run.dir) if cfg.run.dir else ("run.name", cfg.run.name)
-    why = _unwritable(cfg.run_dir)
+    why = unwritable(cfg.run_dir)
     if why:
         raise ConfigError(f"{where(src, name, given)}={value!r}: the run folder {why}")
-
-
-def _unwritable(folder: Path) -> Optional[str]:
-    """Why ``folder`` cannot be made or written here, or None. A folder still to be made is
-    tried (a folder made and removed in its nearest existing parent), not read off the
-    permission bits: root passes those, and /sys still refuses. An existing one (a run to
-    resume, left untouched) is asked of access(2), which sees a read-only mount."""
-    folder = folder.expanduser().absolute()
-    parent = next(p for p in (folder, *folder.parents) if p.exists())
-    if not parent.is_dir():
-        return f"{folder} is a file" if parent == folder else \
-            f"{folder} cannot be made: {parent} is a file"
-    if parent == folder:
-        return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
-    try:
-        tempfile.TemporaryDirectory(dir=parent, prefix=".vitgraph-probe-").cleanup()
-    except OSError as e:
-        return f"{folder} cannot be made: {parent}: {e.strerror}"
-    return None
 
 
 def run_model_config(run_dir) -> tuple[ModelConfig, dict]:

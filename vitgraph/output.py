@@ -1,6 +1,7 @@
-"""What vitgraph writes, in two helpers every layer may use: files written whole or not at all
+"""What vitgraph writes, in helpers every layer may use: files written whole or not at all
 (into a temporary file beside the target, renamed over it once complete, so that a reader,
-another rank, a rerun or a crash's survivor, never sees half of one), and counts in words."""
+another rank, a rerun or a crash's survivor, never sees half of one), whether a folder can be
+written before any work goes into it, and counts in words."""
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +30,25 @@ def written_whole(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def unwritable(folder: str | os.PathLike) -> str | None:
+    """Why ``folder`` cannot be made or written here, or None. A folder still to be made is
+    tried (a folder made and removed in its nearest existing parent), not read off the
+    permission bits: root passes those, and /sys still refuses. An existing one (a run to
+    resume, left untouched) is asked of access(2), which sees a read-only mount."""
+    folder = Path(folder).expanduser().absolute()
+    parent = next(p for p in (folder, *folder.parents) if p.exists())
+    if not parent.is_dir():
+        return f"{folder} is a file" if parent == folder else \
+            f"{folder} cannot be made: {parent} is a file"
+    if parent == folder:
+        return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=".vitgraph-probe-").cleanup()
+    except OSError as e:
+        return f"{folder} cannot be made: {parent}: {e.strerror}"
+    return None
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -7,13 +7,12 @@ gives ``NativeDataset``s, which ``PackedLoader`` and ``iterate_eval_packs`` pack
 sequence and ``pack_inputs`` turns into model inputs (vitgraph/data/native.py).
 """
 
-import os
-
 from vitgraph.data.config import DataConfig, PackingConfig
-from vitgraph.data.dataset import DataError, ImageDataset
+from vitgraph.data.dataset import DataError, ImageDataset, data_root
 from vitgraph.data.decode import EncodedImages, resolve_decode
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
-from vitgraph.data.imagefolder import build_imagefolder, build_imagefolder_native, list_classes
+from vitgraph.data.imagefolder import (build_imagefolder, build_imagefolder_native, list_classes,
+                                       root_and_classes)
 from vitgraph.data.imagefolder import native_size_sample as _folder_sizes
 from vitgraph.data.native import (NativeDataset, PackedLoader, images_per_pack,
                                   iterate_eval_packs, pack_fill, pack_inputs, pack_spec,
@@ -52,14 +51,9 @@ def class_count(data_cfg: DataConfig) -> int:
     their tar headers). DataError where data.path cannot tell."""
     if data_cfg.kind == "shapes":
         return data_cfg.num_classes
-    if not data_cfg.path:
-        raise DataError(f"data.kind={data_cfg.kind}: data.path is not set")
-    root = os.path.expanduser(data_cfg.path)
     if data_cfg.kind == "imagefolder":
-        return len(list_classes(os.path.join(root, "train")))
-    if not os.path.isdir(root):
-        raise DataError(f"data.path={data_cfg.path!r}: no such directory")
-    return len(_split_samples(root, "train", None)[5])
+        return len(root_and_classes(data_cfg)[1])
+    return len(_split_samples(data_root(data_cfg), "train", None)[5])
 
 
 def decode_line(data_cfg: DataConfig, native: bool = False, cuda: bool = False) -> str:

@@ -1,8 +1,10 @@
 """What every data source makes: an ``ImageDataset`` (uint8 images, labels, class names and,
-for image-text data, captions), and the one error type of the data layer."""
+for image-text data, captions); the one error type of the data layer; the folder data.path
+names."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +12,17 @@ import torch
 
 class DataError(Exception):
     """A dataset cannot be built; the message names the offending path or setting."""
+
+
+def data_root(data_cfg) -> str:
+    """The folder data.path names, ``~`` expanded (as the config's check expands it); DataError
+    when it is unset or no folder."""
+    if not data_cfg.path:
+        raise DataError(f"data.kind={data_cfg.kind}: data.path is not set")
+    root = os.path.expanduser(data_cfg.path)
+    if not os.path.isdir(root):
+        raise DataError(f"data.path={data_cfg.path!r}: no such directory")
+    return root
 
 
 @dataclass

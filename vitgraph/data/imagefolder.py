@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from vitgraph.data.config import DataConfig
-from vitgraph.data.dataset import DataError, ImageDataset
+from vitgraph.data.dataset import DataError, ImageDataset, data_root
 from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, for_device,
                                   load_image, read_size, resolve_decode)
 from vitgraph.data.native import FileImages, NativeDataset, read_sizes, spread
@@ -189,19 +189,15 @@ def build_imagefolder(data_cfg: DataConfig, seed: int) -> tuple[ImageDataset, Im
     """(train, val) from ``data_cfg.path``. The folder decides the classes and sizes:
     num_classes, num_train and num_val are not used, nor is ``seed`` (decoding is
     deterministic)."""
-    root, classes = _root_and_classes(data_cfg)
+    root, classes = root_and_classes(data_cfg)
     args = (classes, data_cfg.render_size, data_cfg.workers, data_cfg.preload,
             imagefolder_decode(data_cfg.decode, data_cfg.preload), data_cfg.cpu_decode_share)
     return read_split(root, "train", *args), read_split(root, "val", *args)
 
 
-def _root_and_classes(data_cfg: DataConfig) -> tuple[str, list]:
-    """data.path of an ImageFolder run, checked, and the classes its train/ holds."""
-    root = data_cfg.path
-    if not root:
-        raise DataError("data.path must name the image folder root for kind=imagefolder")
-    if not os.path.isdir(root):
-        raise DataError(f"image folder root not found: {root}")
+def root_and_classes(data_cfg: DataConfig) -> tuple[str, list]:
+    """The folder of an ImageFolder run (``data_root``) and the classes its train/ holds."""
+    root = data_root(data_cfg)
     return root, list_classes(os.path.join(root, "train"))
 
 
@@ -253,8 +249,7 @@ def read_split_native(root: str, split: str, classes: list[str], workers: int = 
 def native_size_sample(data_cfg: DataConfig, n: int) -> np.ndarray:
     """(h, w) of at most ``n`` training images spread over the folder (in class order), from
     their headers; files whose header does not read are left out."""
-    root = data_cfg.path or ""
-    split_dir = os.path.join(root, "train")
+    split_dir = os.path.join(data_root(data_cfg), "train")
     paths, _ = list_files(split_dir, list_classes(split_dir))
     paths = [paths[i] for i in spread(len(paths), n)]
     sizes, bad = read_sizes(len(paths), lambda i: file_size(paths[i]), data_cfg.workers)
@@ -266,6 +261,6 @@ def build_imagefolder_native(data_cfg: DataConfig, seed: int):
     Decoded per step whatever data.preload says (a folder held decoded at every image's own
     size would not be the small one preloading is for); data.decode resolved as for a folder
     that is not preloaded."""
-    root, classes = _root_and_classes(data_cfg)
+    root, classes = root_and_classes(data_cfg)
     args = (classes, data_cfg.workers, imagefolder_decode(data_cfg.decode, preload=False))
     return read_split_native(root, "train", *args), read_split_native(root, "val", *args)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vitgraph.data.config import DataConfig
-from vitgraph.data.dataset import DataError, ImageDataset
+from vitgraph.data.dataset import DataError, ImageDataset, data_root
 from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, decode_image,
                                   for_device, read_size, resolve_decode)
 from vitgraph.data.native import NativeDataset, ShardMembers, read_sizes, spread
@@ -176,10 +176,7 @@ def _split_samples(root: str, split: str, classes: list[str] | None):
 
 def _shards_root(data_cfg: DataConfig) -> tuple[str, str]:
     """data.path and the decode device of a webdataset run, checked."""
-    root = data_cfg.path
-    if not root or not os.path.isdir(root):
-        raise DataError(f"data.kind=webdataset: data.path must name a folder of train-*.tar / "
-                        f"val-*.tar shards, got {root!r}")
+    root = data_root(data_cfg)
     decode = resolve_decode(data_cfg.decode)
     if decode == "cuda" and not torch.cuda.is_available():
         raise DataError("data.decode=cuda needs a CUDA device; use data.decode=cpu or auto")
@@ -271,7 +268,7 @@ def native_size_sample(data_cfg: DataConfig, n: int) -> np.ndarray:
     index.json's ``hw``, else the members' headers at its offsets, else the sizes cache of
     an earlier run (``member_sizes``). DataError when none of these is there: the sizes would
     take every tar header of the split."""
-    root = data_cfg.path or ""
+    root = data_root(data_cfg)
     if os.path.isfile(os.path.join(root, INDEX)):
         paths, entries, _, _, hws, _ = _split_samples(root, "train", None)
         pick = spread(len(entries), n)
