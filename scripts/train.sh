@@ -9,7 +9,8 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 scripts/train.sh configs/vit-l16-imagefolder.yaml
 #
 # Environment (all optional):
-#   NPROC        processes (GPUs) on this node   default: GPUs listed by `nvidia-smi -L`, else 1
+#   NPROC        processes (GPUs) on this node   default: the GPUs CUDA_VISIBLE_DEVICES names
+#                                                when set, else those `nvidia-smi -L` lists, else 1
 #   NNODES       nodes in the job                 default: 1
 #   NODE_RANK    this node's rank                 default: 0
 #   MASTER_ADDR  address of node 0                default: 127.0.0.1
@@ -52,7 +53,11 @@ fi
 
 if [ -z "${NPROC:-}" ]; then
   NPROC=0
-  if command -v nvidia-smi >/dev/null 2>&1; then
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    # nvidia-smi -L lists every GPU of the node, also those hidden from CUDA
+    IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+    NPROC=${#visible[@]}
+  elif command -v nvidia-smi >/dev/null 2>&1; then
     NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   fi
   [ "$NPROC" -gt 0 ] || NPROC=1

@@ -26,7 +26,7 @@ SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 
 # variables train.sh reads; cleared so that the caller's environment cannot leak into a test
 LAUNCH_VARS = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_BACKEND",
-               "RDZV_ID", "DRY_RUN")
+               "RDZV_ID", "DRY_RUN", "CUDA_VISIBLE_DEVICES")
 
 
 def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
@@ -199,6 +199,17 @@ def test_train_sh_single_node_command():
         "-m", "vitgraph", "train", "configs/vit-b16-imagefolder.yaml", "optim.lr=1e-3",
         "name=a b",
     ]
+
+
+@pytest.mark.parametrize("visible, nproc", [("0,3", "2"), ("GPU-a,GPU-b,GPU-c", "3"),
+                                             ("", "1")])
+def test_train_sh_one_process_per_visible_gpu(visible, nproc):
+    # docs/deploy.md: one process per visible GPU; nvidia-smi -L lists every GPU of the node
+    proc = run_train_sh("configs/vit-tiny-shapes.yaml", DRY_RUN="1",
+                        CUDA_VISIBLE_DEVICES=visible)
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    assert argv[argv.index("--nproc-per-node") + 1] == nproc
 
 
 def test_sbatch_shape():
