@@ -777,10 +777,14 @@ def test_webdataset_png_input_and_errors(tmp_path, monkeypatch):
     with open(out / "train-000000.tar", "rb") as f:
         assert b"JFIF" in f.read(4096)  # re-encoded as JPEG for nvJPEG
     # data.path under ~, which the config's check expands: every reader expands it too
+    # (and an ImageFolder reads the formats torchvision's does)
+    first = sorted((src / "train").iterdir())[0]
+    Image.new("RGB", (30, 20), (200, 10, 10)).save(first / "extra.webp")
+    Image.new("RGB", (20, 30), (10, 200, 10)).save(first / "extra.bmp")
     monkeypatch.setenv("HOME", str(tmp_path))
-    for cfg in (wds_cfg("~/s"), folder_cfg("~/f", render_size=24)):
+    for cfg, n in ((wds_cfg("~/s"), 8), (folder_cfg("~/f", render_size=24), 10)):
         assert class_count(cfg) == len(train.classes)
-        assert len(build_datasets(cfg, seed=0)[0]) == 8
+        assert len(build_datasets(cfg, seed=0)[0]) == n
         assert len(native_size_sample(cfg, 0, 4)) == 4
     with pytest.raises(DataError, match="no such directory"):
         build_datasets(wds_cfg(tmp_path / "nope"), seed=0)

@@ -32,7 +32,8 @@ from vitgraph.data.decode import (EncodedImages, cpu_decoded, decode_full, for_d
                                   load_image, read_size, resolve_decode)
 from vitgraph.data.native import FileImages, NativeDataset, read_sizes, spread
 
-EXTENSIONS = (".jpg", ".jpeg", ".png")
+# torchvision's ImageFolder list; all but JPEG are decoded by PIL on the CPU
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".pgm", ".tif", ".tiff")
 NAMED = 5  # unreadable files named in the log; the rest are counted
 
 log = logging.getLogger("vitgraph")
@@ -62,7 +63,7 @@ def list_files(split_dir: str, classes: list[str]) -> tuple[list[str], list[int]
                        if f.lower().endswith(EXTENSIONS) and not f.startswith(".")
                        and os.path.isfile(os.path.join(d, f)))
         if not files:
-            raise DataError(f"no .jpg/.jpeg/.png images in class folder {d}")
+            raise DataError(f"no images ({'/'.join(EXTENSIONS)}) in class folder {d}")
         paths += [os.path.join(d, f) for f in files]
         labels += [classes.index(name)] * len(files)
     return paths, labels
