@@ -66,7 +66,7 @@ def test_version_configs_usage_and_cache(tmp_path, capsys):
     (cache / "shapes_v1_train_0123.npz").write_bytes(b"x" * 2**20)
     (cache / "keep.txt").write_text("not ours")
     assert main(["cache", "--dir", str(cache)]) == 0
-    assert "1 cached dataset, 1.0 MB" in capsys.readouterr().out
+    assert "1 cached dataset split, 1.0 MB" in capsys.readouterr().out
     assert main(["cache", "--clear", "--dir", str(cache)]) == 0
     assert "removed 1" in capsys.readouterr().out
     assert sorted(p.name for p in cache.iterdir()) == ["keep.txt"]

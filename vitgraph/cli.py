@@ -379,10 +379,10 @@ def _cache(args) -> int:
     if args.clear:
         for f in files:
             os.remove(f)
-        print(f"{cache_dir}: removed {plural(len(files), 'cached dataset')} "
+        print(f"{cache_dir}: removed {plural(len(files), 'cached dataset split')} "
               f"({size / 2**20:.1f} MB)")
     else:
-        print(f"{cache_dir}: {plural(len(files), 'cached dataset')}, {size / 2**20:.1f} MB "
+        print(f"{cache_dir}: {plural(len(files), 'cached dataset split')}, {size / 2**20:.1f} MB "
               f"(limit data.cache_max_mb={DataConfig().cache_max_mb:.0f})")
     return 0
 
