@@ -8,9 +8,9 @@
 #   359 s for tests-a, 435 s for tests-b, 83 s for tests-c); tests-a / -b / -c: its parts (the
 #   VLM's tests in c).
 #   native (1 GPU): the native-resolution rows of record (docs/native.md), one bench process and
-#   one JSON per model of $NATIVE_MODELS (default: all four; one model a 10-minute call): packed,
-#   padded and timm NaFlexViT + compile on the same stream at 256 / 576 / 1024 patches (and 729
-#   for SO400M/14).
+#   one JSON per model of $NATIVE_MODELS (default: all four; one model a 10-minute call): packed
+#   (two 32,768-token packs a step; $NATIVE_PACKS: other bench.py pack flags), padded and timm
+#   NaFlexViT + compile on the same stream at 256 / 576 / 1024 patches (and 729 for SO400M/14).
 #   vlm (1 GPU): bench.py --vlm at $VLM_PATCHES (default 576 1024), one JSON each; byte-level ids
 #   unless open_clip is importable (CLIP's BPE); 16 padded / dense images a step (about one
 #   16,384-token pack at 1024 patches; 32 ran out of an H100's 80 GB there).
@@ -221,8 +221,10 @@ for s in "${steps[@]}"; do
     native)
       for m in ${NATIVE_MODELS:-vit_so400m14_378 vit_so400m16_256 vit_l16_224 vit_b16_224}; do
         p=(256 576 1024); [ "$m" = vit_so400m14_378 ] && p=(256 576 729 1024)
+        # two 32,768-token packs a step ran 2.9-4.9% faster than four of 16,384 (BENCHMARKS.md)
         timeout -s INT ${NATIVE_TIMEOUT:-560} python scripts/bench.py --native --images 1536 --seed 7 \
-          --warmup 4 --iters 5 --models "$m" --max-patches "${p[@]}" --systems vitgraph+packed+step-graphs \
+          --warmup 4 --iters 5 --models "$m" --max-patches "${p[@]}" ${NATIVE_PACKS:---pack-tokens 32768 --packs-per-step 2} \
+          --systems vitgraph+packed+step-graphs \
           vitgraph+padded+step-graphs timm-naflex+compile --out "$out/native-$m.json" 2>&1 \
           | tee "$out/native-$m.log" | grep -E "real tok|Error|error" | tail -20
       done ;;
