@@ -200,7 +200,6 @@ class Slot:
     def __init__(self, index: int):
         self.index = index
         self.busy = False
-        self.uses = 0
         self.static_in: list = []
         self.params: list = []  # parameters passed to the Function (requires_grad at capture)
         self.fwd: Optional[Replayable] = None
@@ -359,8 +358,6 @@ class GraphedCallable:
         self.on_capture = on_capture
         self.sets: dict = {}
         self.sig: Optional[tuple] = None
-        self.captures = 0
-        self.capture_time_s = 0.0
         self.replays = 0
 
     # parameters ------------------------------------------------------------------------
@@ -419,8 +416,6 @@ class GraphedCallable:
         t0 = time.perf_counter()
         slot = self._capture(len(slots), flat, spec)
         dt = time.perf_counter() - t0
-        self.captures += 1
-        self.capture_time_s += dt
         slots.append(slot)
         slot.busy = True
         if self.on_capture is not None:
@@ -536,7 +531,6 @@ class GraphedCallable:
     # replay ----------------------------------------------------------------------------
     def run(self, slot: Slot, flat: list) -> Any:
         self.replays += 1
-        slot.uses += 1
         for p in slot.fused:
             p.grad_added_to_main_grad = True
         leaf_mask = tuple(x.requires_grad and x.grad_fn is None for x in flat)

@@ -161,7 +161,6 @@ class GraphManager:
         self._leaked = 0
         self._capture_time = 0.0
         self._captures = 0
-        self._dropped_pool_bytes = 0
         self._attention_backend: Optional[dict] = None
         self._warned: set = set()
         self._ddp = False  # megatron DDP around the layers (for_model finds out)
@@ -235,7 +234,6 @@ class GraphManager:
                 st.module.__dict__.pop("forward", None)
             st.patched = False
             if drop_graphs and st.callable is not None:
-                self._dropped_pool_bytes += st.callable.pool_bytes()
                 st.callable.drop()
         self._applied = False
 
@@ -272,7 +270,6 @@ class GraphManager:
         self._group.new_capture_step()
         for st in self.layers:
             if st.callable is not None and st.callable.sets:
-                self._dropped_pool_bytes += st.callable.pool_bytes()
                 self._recaptures["reset"] += st.callable.num_slots()
                 st.callable.drop()
 
@@ -324,7 +321,6 @@ class GraphManager:
             sig = gc.param_signature()
             if gc.sets and gc.sig is not None and sig != gc.sig:
                 n = gc.num_slots()
-                self._dropped_pool_bytes += gc.pool_bytes()
                 gc.drop()
                 self._recaptures["params_changed"] += n
                 log.info("graphs: layer %d parameters were replaced; re-capturing", st.index)

@@ -185,7 +185,6 @@ class TEGraphedCallable(GraphedCallable):
 
     def run(self, slot: Slot, flat: list) -> Any:
         self.replays += 1
-        slot.uses += 1
         if slot.grad_ptrs:
             for p in slot.params:
                 pg = p.grad

@@ -171,11 +171,3 @@ def num_tensors(spec: tuple) -> int:
         return 0
     children = spec[-1]
     return sum(num_tensors(s) for s in children)
-
-
-def check_hashable(spec: tuple) -> None:
-    """Raise Unsupported if a constant in the spec cannot be part of a dict key."""
-    try:
-        hash(spec)
-    except TypeError as e:  # pragma: no cover - all _CONST_TYPES hash; kept for subclasses
-        raise Unsupported(f"unhashable constant in graph arguments: {e}") from None

@@ -76,8 +76,13 @@ class CLIP(MegatronModule):
 
     @torch.no_grad()
     def clamp_logit_scale_(self) -> None:
-        """Call after each optimizer step (open_clip does): the scale stays in [1, 100]."""
-        self.logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
+        """Call after each optimizer step (open_clip does; the contrastive task does): the
+        scale stays in [1, 100]. A mixed-precision optimizer's fp32 main copy is clamped too,
+        or the next step would copy the unclamped value back."""
+        p = self.logit_scale
+        for t in (p, getattr(p, "main_param", None)):
+            if t is not None:
+                t.clamp_(0.0, MAX_LOGIT_SCALE)
 
 
 def tower_config(base: TransformerConfig, *, hidden_size: int, num_layers: int, num_heads: int,

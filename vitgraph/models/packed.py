@@ -29,7 +29,6 @@ try:  # the fused row gather on the GPU (torch ships Triton with its CUDA builds
 except ImportError:
     triton = None
 
-from vitgraph.data.loader import MEAN, STD
 
 POS_INTERP = ("bicubic", "bilinear")
 
@@ -330,16 +329,6 @@ def pool_attention(pool, hidden: torch.Tensor, seg: torch.Tensor, coords: torch.
     out = (num.view(max_images, h, dh) / den[:, :, None]).reshape(max_images, d)
     out = pool.proj(out.to(hidden.dtype))
     return out + pool.fc2(pool.act(pool.fc1(pool.norm(out))))
-
-
-def normalise(patches: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
-    """uint8 patch rows [T, 3 p^2] ((c, y, x) order) -> normalised as the fixed path's images
-    ((v / 255 - mean) / std per channel) on ``device``."""
-    x = patches.to(device, non_blocking=True).float().div_(255.0)
-    per = x.shape[-1] // 3
-    mean = torch.tensor(MEAN, device=x.device).repeat_interleave(per)
-    std = torch.tensor(STD, device=x.device).repeat_interleave(per)
-    return ((x - mean) / std).to(dtype)
 
 
 def key_padding_mask(seg: torch.Tensor, max_images: int, slot_len: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from vitgraph.convert import init_from
 from vitgraph.data.augment import BatchAugment, prepare_batch
 from vitgraph.models import packed as pk
 from vitgraph.models.build import transformer_config
-from vitgraph.models.clip import MAX_LOGIT_SCALE, build_clip
+from vitgraph.models.clip import build_clip
 from vitgraph.models.vit import unwrap
 from vitgraph.tasks.base import Task, require_captions, stats
 from vitgraph.tasks.classification import prepare_pack
@@ -244,10 +244,7 @@ class ContrastiveTask(Task):
     @torch.no_grad()
     def after_update(self, chunks):
         for chunk in chunks:
-            p = unwrap(chunk).logit_scale
-            for t in (p, getattr(p, "main_param", None)):  # the fp32 master copy too
-                if t is not None:
-                    t.clamp_(0.0, MAX_LOGIT_SCALE)
+            unwrap(chunk).clamp_logit_scale_()
 
     # ------------------------------------------------------------------ held-out
 
