@@ -16,6 +16,7 @@ from vitgraph import set_hardware_queues
 set_hardware_queues()  # in-process GPU tests run as `vitgraph train` does (before CUDA starts)
 import torch  # noqa: E402
 
+from vitgraph.data.loader import MEAN, STD  # noqa: E402
 from vitgraph.parallel.fsdp import local  # noqa: E402
 
 # CPU: one intra-op thread in this process, whatever a Trainer asks for (vitgraph.parallel.setup
@@ -427,3 +428,14 @@ def write_hf_tokenizer(folder: Path, texts: list[str], **special) -> Path:
         special_tokens=sorted(set(special.values())), show_progress=False))
     PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(folder)
     return folder
+
+
+def normalise_patches(patches: torch.Tensor, device, dtype=torch.float32) -> torch.Tensor:
+    """uint8 patch rows [T, 3 p^2] ((c, y, x) order) normalised as the fixed path's images
+    ((v / 255 - mean) / std per channel) on ``device``: the reference the packed inputs are
+    held against."""
+    x = patches.to(device, non_blocking=True).float().div_(255.0)
+    per = x.shape[-1] // 3
+    mean = torch.tensor(MEAN, device=x.device).repeat_interleave(per)
+    std = torch.tensor(STD, device=x.device).repeat_interleave(per)
+    return ((x - mean) / std).to(dtype)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from conftest import ROOT, assert_graphed_step_equals_eager, tiny_overrides, world_of_one
 from vitgraph.cli import main
 from vitgraph.config import load_config
-from vitgraph.data.native import pack_inputs
 from vitgraph.data.packing import assemble
 from vitgraph.models.build import transformer_config
 from vitgraph.models.caption import TextPackSpec, build_caption, text_layout

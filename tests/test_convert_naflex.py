@@ -15,10 +15,9 @@ from vitgraph.convert import ConvertError, detect_format, from_vitgraph, to_vitg
 from vitgraph.convert.naflex import naflex_model_args, naflex_to_vitgraph, vitgraph_to_naflex
 from vitgraph.convert.weights import export_state_dict, load_into_model
 from vitgraph.data.packing import PackSpec, assemble
-from vitgraph.models import packed as pk
 from vitgraph.models.registry import ViTArch
 
-from conftest import ROOT, world_of_one
+from conftest import ROOT, normalise_patches, world_of_one
 
 timm = pytest.importorskip("timm")
 from timm.models.naflexvit import NaFlexVit, NaFlexVitCfg  # noqa: E402
@@ -89,7 +88,7 @@ def images(grids, seed=2):
 def ours_forward(model, spec, rows, grids):
     patches, coords, seg, cu, _ = assemble(rows, grids, [0] * len(grids), spec)
     with torch.no_grad():
-        return model(pk.normalise(patches, "cpu"), coords, seg, cu)[:len(grids)]
+        return model(normalise_patches(patches, "cpu"), coords, seg, cu)[:len(grids)]
 
 
 def timm_forward(model, rows, grids):
@@ -101,7 +100,7 @@ def timm_forward(model, rows, grids):
     valid = torch.zeros(len(grids), n, dtype=torch.bool)
     for i, (r, (gh, gw)) in enumerate(zip(rows, grids)):
         k = gh * gw
-        x[i, :k] = pk.normalise(r, "cpu").view(k, 3, P, P).permute(0, 2, 3, 1).reshape(k, -1)
+        x[i, :k] = normalise_patches(r, "cpu").view(k, 3, P, P).permute(0, 2, 3, 1).reshape(k, -1)
         idx = torch.arange(k)
         coord[i, :k, 0], coord[i, :k, 1] = idx // gw, idx % gw
         valid[i, :k] = True

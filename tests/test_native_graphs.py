@@ -21,7 +21,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from vitgraph.data.packing import PackSpec, layout
 from vitgraph.graphs import GraphManager, GraphsConfig, RerunBackend, StepGraphs, tree
 
-from conftest import ROOT, world_of_one
+from conftest import ROOT, normalise_patches, world_of_one
 
 dist1 = world_of_one("torch")
 
@@ -336,7 +336,6 @@ def vit_packs(n, seed):
     """``n`` packs of distinct layouts as the task hands them to the model: (x normalised,
     coords, seg, cu_seqlens, labels)."""
     from vitgraph.data.packing import assemble
-    from vitgraph.models import packed as pk
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     out, seen = [], set()
     while len(out) < n:
@@ -355,7 +354,7 @@ def vit_packs(n, seed):
         if tuple(cu.tolist()) in seen:
             continue
         seen.add(tuple(cu.tolist()))
-        out.append((pk.normalise(patches, "cpu"), coords, seg, cu, lab))
+        out.append((normalise_patches(patches, "cpu"), coords, seg, cu, lab))
     return out
 
 

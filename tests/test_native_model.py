@@ -12,7 +12,7 @@ from vitgraph.data.packing import PackSpec, assemble
 from vitgraph.models import packed as pk
 from vitgraph.models.registry import ViTArch
 
-from conftest import ROOT, world_of_one
+from conftest import ROOT, normalise_patches, world_of_one
 
 dist1 = world_of_one("torch")
 
@@ -76,7 +76,7 @@ def images(grids, seed=1):
 def pack_of(grids, spec, seed=1):
     rows = images(grids, seed)
     patches, coords, seg, cu, labels = assemble(rows, grids, list(range(len(grids))), spec)
-    return rows, (pk.normalise(patches, "cpu"), coords, seg, cu), labels
+    return rows, (normalise_patches(patches, "cpu"), coords, seg, cu), labels
 
 
 def position_grid(model):
@@ -89,7 +89,7 @@ def alone(model, rows, grid):
     gh, gw = grid
     P, d = model.num_prefix, ARCH.hidden_size
     conv = model.patch_embed
-    x = F.linear(pk.normalise(rows, "cpu"), conv.weight.reshape(d, -1), conv.bias)
+    x = F.linear(normalise_patches(rows, "cpu"), conv.weight.reshape(d, -1), conv.bias)
     src = position_grid(model).permute(2, 0, 1)[None]
     where = F.affine_grid(torch.eye(2, 3, dtype=src.dtype)[None], (1, d, gh, gw),
                           align_corners=False)
@@ -168,7 +168,7 @@ def test_square_images_match_the_fixed_path(dist1):
         rows = images([(side, side)])[0]
         _, inputs, _ = pack_of([(side, side)], spec)
         p = ARCH.patch_size
-        img = pk.normalise(rows, "cpu").view(side, side, 3, p, p).permute(2, 0, 3, 1, 4)
+        img = normalise_patches(rows, "cpu").view(side, side, 3, p, p).permute(2, 0, 3, 1, 4)
         model.pack, pack = None, model.pack
         try:
             ref = model(img.reshape(1, 3, side * p, side * p))
@@ -203,7 +203,7 @@ def test_padded_layout_equals_the_pack(dist1, pool):
     L = spec.max_len
     assert fields[3].tolist() == [i * L for i in range(spec.max_images + 1)]
     assert fields[2][::L].tolist() == [0, 1, 2, 3, spec.max_images]
-    x = pk.normalise(fields[0], "cpu")
+    x = normalise_patches(fields[0], "cpu")
     got = padded(x, *fields[1:4])
     torch.testing.assert_close(got[:len(GRIDS)], model(*inputs)[:len(GRIDS)],
                                atol=1e-5, rtol=1e-5)
@@ -316,7 +316,7 @@ def test_max_images_zero_lets_tokens_end_a_pack(dist1):
     """data.packing.max_images=0 (the default) resolves to the count at which packs of the
     sampled sizes fill as they would with no limit (a multiple of 8, logged with the layout);
     a count written in the config is kept; with no sample, images of half max_patches."""
-    from vitgraph.config import PackingConfig
+    from vitgraph.data import PackingConfig
     from vitgraph.data.native import images_per_pack, pack_fill
     from vitgraph.plan import resolve, resolve_max_images
     auto = resolve(native_config("vit-tiny-shapes.yaml", "data.packing.max_images=0",
@@ -458,7 +458,7 @@ def test_contrastive_task_on_a_pack(dist1):
     for i, grid in enumerate(grids):
         one = task.prepare((*raw_pack(task.pack, [grid], [0]), tokens), None, dist1.device,
                            True)
-        one[0][:grid[0] * grid[1]] = pk.normalise(images(grids)[i], dist1.device)
+        one[0][:grid[0] * grid[1]] = normalise_patches(images(grids)[i], dist1.device)
         torch.testing.assert_close(task.forward(model, one)[0][0], image[i], atol=1e-5,
                                    rtol=1e-5)
     # an image of n tokens: the image tower's fixed formula at n tokens, and its caption's
@@ -515,7 +515,7 @@ def test_te_thd_pack_matches_the_torch_spec_and_each_image_alone(dist1):
     torch.testing.assert_close(te, models["torch"](*inputs).float(), atol=3e-2, rtol=3e-2)
     for i, grid in enumerate(GRIDS):
         _, one, _ = pack_of([grid], spec)
-        one[0][spec.num_prefix:spec.num_prefix + grid[0] * grid[1]] = pk.normalise(rows[i], "cpu")
+        one[0][spec.num_prefix:spec.num_prefix + grid[0] * grid[1]] = normalise_patches(rows[i], "cpu")
         alone_out = models["te"](*on_gpu(one))[0].float()
         torch.testing.assert_close(te[i], alone_out, atol=3e-2, rtol=3e-2)
     te[:len(GRIDS)].sum().backward()

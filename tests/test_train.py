@@ -1,16 +1,14 @@
 """End-to-end training on CPU: metrics, checkpoints, kill + resume, multi-process layouts."""
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, free_port, tiny_overrides, vitgraph_cmd
+from conftest import ROOT, tiny_overrides, vitgraph_cmd
 from test_reliability import _children
 
 DEFAULT = str(ROOT / "configs" / "vit-tiny-shapes.yaml")
@@ -144,7 +142,6 @@ def test_capturable_adamw_checkpoints_in_te_layout_without_touching_live_state()
     group (TE FusedAdam's layout, which megatron's checkpoint code expects) and saving leaves
     the live state alone -- a captured step keeps using those step tensors (a GPU test caught
     the first version popping them). Loading puts a device-side step back on every parameter."""
-    import torch
     from vitgraph.train.optim import CapturableAdamW
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     opt = CapturableAdamW([{"params": params, "wd_mult": 0.0}], lr=1e-3, betas=(0.9, 0.99),

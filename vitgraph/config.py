@@ -23,7 +23,7 @@ import yaml
 
 from vitgraph.config_keys import (ConfigError, check_section, coerce_field, key, resume_ok,
                                   where)
-from vitgraph.data.config import DataConfig, PackingConfig
+from vitgraph.data.config import DataConfig
 from vitgraph.data.native import pack_spec
 from vitgraph.graphs.config import GraphsConfig
 from vitgraph.models.registry import CLIP_MODELS, resolve_arch, resolve_clip_arch

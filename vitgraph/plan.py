@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from vitgraph.config import (CheckpointConfig, Config, ConfigError, DataConfig, DistillConfig,
-                             EMAConfig, ModelConfig, OptimConfig, PackingConfig, ParallelConfig,
-                             TrainConfig, check_layout, graph_constraints, padded_constraints,
-                             task_kind)
-from vitgraph.data import (DataError, images_per_pack, native_size_sample, pack_fill, pack_spec,
-                           size_tokens)
+from vitgraph.config import (CheckpointConfig, Config, ConfigError, DistillConfig, EMAConfig,
+                             ModelConfig, OptimConfig, ParallelConfig, TrainConfig, check_layout,
+                             graph_constraints, padded_constraints, task_kind)
+from vitgraph.data import (DataConfig, DataError, PackingConfig, images_per_pack,
+                           native_size_sample, pack_fill, pack_spec, size_tokens)
 from vitgraph.data.packing import PackSpec
 from vitgraph.graphs.auto import GraphPath, choose_graphs
 from vitgraph.models.build import Recompute, recompute_plan, token_multiple, use_fused_norm

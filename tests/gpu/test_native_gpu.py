@@ -24,7 +24,7 @@ import torch
 
 from vitgraph.config import load_config
 
-from conftest import ROOT
+from conftest import ROOT, normalise_patches
 
 pytestmark = pytest.mark.gpu
 
@@ -173,7 +173,6 @@ def test_one_capture_serves_a_hundred_packs(tmp_path, scope):
 def test_thd_attention_under_layer_graphs_keeps_images_apart(tmp_path, head):
     """After the capture, a graphed forward of a new pack (new cu_seqlens in the static
     buffers) gives each image what it gives alone (eagerly, in a pack of its own)."""
-    from vitgraph.models import packed as pk
     from vitgraph.models.vit import unwrap
     t = make_trainer(tmp_path, *HEAD_DIMS[head], *LAYER, "graphs.warmup_steps=1")
     try:
@@ -187,7 +186,7 @@ def test_thd_attention_under_layer_graphs_keeps_images_apart(tmp_path, head):
         dev, dtype = t.d.device, model.patch_embed.weight.dtype
 
         def on_gpu(patches, coords, seg, cu):
-            return (pk.normalise(patches, dev, dtype), coords.to(dev), seg.to(dev), cu.to(dev))
+            return (normalise_patches(patches, dev, dtype), coords.to(dev), seg.to(dev), cu.to(dev))
 
         t.graphs.step_begin(3)
         before = t.graphs.stats()["replays"]

@@ -11,8 +11,7 @@ from vitgraph.data.config import DataConfig, PackingConfig
 from vitgraph.data.dataset import DataError, ImageDataset, data_root
 from vitgraph.data.decode import EncodedImages, resolve_decode
 from vitgraph.data.loader import MicrobatchLoader, iterate_eval, to_model_input
-from vitgraph.data.imagefolder import (build_imagefolder, build_imagefolder_native, list_classes,
-                                       root_and_classes)
+from vitgraph.data.imagefolder import build_imagefolder, build_imagefolder_native, root_and_classes
 from vitgraph.data.imagefolder import native_size_sample as _folder_sizes
 from vitgraph.data.native import (NativeDataset, PackedLoader, images_per_pack,
                                   iterate_eval_packs, pack_fill, pack_inputs, pack_spec,

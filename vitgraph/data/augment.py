@@ -456,7 +456,7 @@ def _noise(seeds: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Standard normal noise shaped as ``like`` [b, ...], a function of each image's seed and
     the pixel alone (counter-based: no generator state, the same in a graph and on resume).
     Box-Muller on two 16-bit uniforms a hash gives two values (|z| <= 4.7)."""
-    b, n = like.shape[0], like[0].numel()
+    n = like[0].numel()
     half = (n + 1) // 2
     counter = _hash32(torch.arange(half, device=like.device))
     h = _hash32(counter.view(1, -1) ^ seeds.view(-1, 1))
