@@ -2,6 +2,7 @@
 text-only loss, greedy generation, a short training run and its held-out eval."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -284,6 +285,9 @@ def test_eval_of_another_vocabulary_is_refused_and_a_run_directory_is_a_config(t
     assert main(["eval", str(run), "lm.tokenizer=bpe"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint error" in err and "word_embeddings.weight" in err and "49408" in err, err
+    # the checkpoint named, and both shapes: the checkpoint's and this config's
+    assert str(run / "checkpoints" / "step_000020") in err, err
+    assert re.search(r"word_embeddings\.weight is \[\d+, \d+\] there, \[49408, \d+\] here", err), err
     assert main(["eval", str(run)]) == 0
     assert (run / "eval-20.json").is_file()
 

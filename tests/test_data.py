@@ -312,6 +312,16 @@ def test_imagefolder_skips_corrupt_images_and_ignores_other_files(folder, caplog
         build_datasets(folder_cfg(folder), seed=0)
 
 
+def test_imagefolder_names_the_first_five_unreadable_images_and_counts_the_rest(folder, caplog):
+    bad = [f"bad{i}.png" for i in range(7)]
+    for name in bad:
+        (folder / "train" / "dog" / name).write_bytes(b"junk")
+    with caplog.at_level("WARNING", logger="vitgraph"):
+        build_datasets(folder_cfg(folder), seed=0)
+    assert "skipped 7 unreadable image(s) of 10" in caplog.text
+    assert [n for n in bad if n in caplog.text] == bad[:5] and caplog.text.rstrip().endswith("...")
+
+
 def _pil_decoder(data):
     """nvJPEG's stand-in on the CPU: list of JPEG byte tensors -> list of uint8 [3, H, W]."""
     import io
@@ -489,6 +499,10 @@ def test_imagefolder_errors(folder, tmp_path):
     _write(folder / "val" / "cat" / "d.png", (64, 64), (10, 20, 30), "PNG")
 
     os.rename(folder / "val", folder / "valx")
+    (folder / "val").mkdir()  # an empty split: no class folders
+    with pytest.raises(DataError, match="no class folders in " + re.escape(str(folder / "val"))):
+        build_datasets(folder_cfg(folder), seed=0)
+    (folder / "val").rmdir()
     with pytest.raises(DataError, match=re.escape(str(folder / "val"))):
         build_datasets(folder_cfg(folder), seed=0)
     os.rename(folder / "train", folder / "trainx")

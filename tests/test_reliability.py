@@ -340,7 +340,8 @@ def test_sigterm_saves_exits_75_and_the_resumed_run_continues_the_curve(tmp_path
     stopped = int(latest.split("_")[1])
     assert 7 <= stopped < steps and max(losses(run_dir)) == stopped  # finished its step
     assert checkpoint.verify(run_dir / "checkpoints" / latest) == []
-    assert "SIGTERM received" in out and "preempted" in err
+    assert "SIGTERM received" in out
+    assert f"preempted after step {stopped}/{steps}; checkpoint " in err and " saved" in err, err
     assert not (run_dir / "metrics.json").exists()
 
     code, out, err = train_here(capsys, run_dir, steps=steps, **over)
