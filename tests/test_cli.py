@@ -231,10 +231,11 @@ def test_export_out_is_a_file_or_a_folder_and_a_bad_one_is_one_line(trained, tmp
     assert list(full.iterdir()) == []  # no .partial left
 
 
-def test_eval_and_export_check_the_checkpoint_against_its_manifest(trained, tmp_path, capsys):
+def test_eval_and_export_check_the_checkpoint_against_its_manifest(trained, tmp_path, capsys,
+                                                                    caplog):
     """A damaged checkpoint named by --checkpoint is refused in one line naming the damaged
-    file (eval and export); without it export passes over the damaged newest one and says
-    which it exported and why; with every one damaged it says what is wrong with each."""
+    file (eval and export); without it each passes over the damaged newest one and says
+    which it read and why; with every one damaged each says what is wrong with each."""
     import shutil
     run = tmp_path / "run"
     shutil.copytree(trained, run)
@@ -253,11 +254,17 @@ def test_eval_and_export_check_the_checkpoint_against_its_manifest(trained, tmp_
     assert code == 0, err
     assert f"from checkpoint {ckpts / 'step_000006'} (step 12)" in out  # the copy's step
     assert err.startswith(f"vitgraph: export: checkpoint step_000012 is damaged: {damage}"), err
+    with caplog.at_level("WARNING", logger="vitgraph"):  # eval passes over it the same way
+        code, out, err = here(capsys, "eval", str(run))
+    assert code == 0 and out.startswith(f"eval of {ckpts / 'step_000006'} "), out
+    assert f"checkpoint step_000012 is damaged: {damage}" in caplog.text
+    assert caplog.text.rstrip().endswith("; passing over it"), caplog.text
     (ckpts / "step_000006" / "manifest.json").unlink()
-    code, out, err = here(capsys, "export", str(run), "--out", str(tmp_path / "y"))
-    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
-    assert f"no intact checkpoint under {ckpts}: step_000012 is damaged: {damage}" in err
-    assert (f"step_000006 is damaged: {ckpts / 'step_000006' / 'manifest.json'}: missing" in err)
+    for command in (["export", str(run), "--out", str(tmp_path / "y")], ["eval", str(run)]):
+        code, out, err = here(capsys, *command)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+        assert f"no intact checkpoint under {ckpts}: step_000012 is damaged: {damage}" in err
+        assert f"step_000006 is damaged: {ckpts / 'step_000006' / 'manifest.json'}: missing" in err
 
 
 def vitgraph_input(image, size):
