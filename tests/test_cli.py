@@ -101,6 +101,20 @@ def test_models_lists_classifiers_and_image_text_pairs(capsys):
     assert "  siglip_vit_b16 " in pairs and "context 64" in pairs
 
 
+@pytest.mark.parametrize("command", [["models"], ["--version"]])
+def test_a_closed_pipe_ends_the_command_quietly(command):
+    """`vitgraph models | head`: the reader goes away, the command stops with 141 (128 +
+    SIGPIPE, as a shell reports it) and no traceback (there were two, or an ignored
+    exception at exit, code 120)."""
+    env = clean_env()
+    env.pop("PYTHONUNBUFFERED", None)  # stdout block-buffered, as a plain shell has it
+    p = subprocess.Popen(vitgraph_cmd(*command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env, cwd=ROOT)
+    p.stdout.close()  # before the first line is written
+    err = p.stderr.read().decode()
+    assert p.wait() == 141 and err == ""
+
+
 def test_eval_writes_only_its_json(trained, capsys):
     lines = []
 

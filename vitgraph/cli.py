@@ -152,10 +152,18 @@ def _config_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     from vitgraph import INTERRUPTED_EXIT
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe raises here, where it is caught, not at exit
     except KeyboardInterrupt:  # Ctrl-C in a command other than train (train records it)
         print(f"vitgraph: interrupted (exit {INTERRUPTED_EXIT})", file=sys.stderr)
         return INTERRUPTED_EXIT
+    except BrokenPipeError:  # the reader went away (`vitgraph models | head`): stop quietly
+        # stdout's buffer still holds lines for the closed pipe; the flush at exit would
+        # raise again, so it goes to /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _main(argv: list[str] | None) -> int:
