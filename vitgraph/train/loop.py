@@ -212,8 +212,14 @@ class Trainer:
         log.info("graphs: %s", plan.graphs)
         if plan.pack_layout is not None:
             log.info("packing: %s", plan.pack_layout)
-        log.info("schedule: %d steps (%d per epoch), global batch %d = %s x %d x dp %d",
-                 self.total_steps, self.loader.steps_per_epoch, t.global_batch_size,
+        # a native run's batch counts packs (a microbatch is one), not images
+        k, unit = plan.pack, ""
+        if k is not None:
+            unit = f" ({plural(t.global_batch_size, 'pack')} of " + (
+                f"{plural(k.max_images, 'slot')} of {k.max_len} tokens)" if k.padded else
+                f"{k.tokens} tokens)")
+        log.info("schedule: %d steps (%d per epoch), global batch %d%s = %s x %d x dp %d",
+                 self.total_steps, self.loader.steps_per_epoch, t.global_batch_size, unit,
                  plural(self.num_microbatches, "microbatch"), t.micro_batch_size, d.dp)
         if d.cuda:
             _wire_ddp(self.model.config, self.wrapped, self.optimizer, plan.parallel)
