@@ -158,6 +158,30 @@ def test_freezing_the_tower_or_the_language_model(dist1):
     assert plan_of("lm.freeze_lm=true").freeze == (("lm.freeze_lm", "language_model.*"),)
 
 
+def test_tower_weights_from_a_file_are_named_by_it(dist1, tmp_path, caplog):
+    """A caption run's model.init_from of a tower's weights names the file in its log line and
+    errors (the tower reads the file's tensors already loaded, not the path)."""
+    import logging
+
+    from safetensors.torch import save_file
+
+    from vitgraph.convert import ConvertError
+    from vitgraph.convert.vlm import init_caption
+    _, model = task_and_model(dist1)
+    sd = {k: v.detach().clone() for k, v in model.visual.state_dict().items()
+          if not k.endswith("_extra_state")}
+    good = tmp_path / "tower.safetensors"
+    save_file(sd, str(good))
+    with caplog.at_level(logging.INFO, logger="vitgraph"):
+        init_caption(model, str(good), "vitgraph", "byte")
+    assert f"init: weights from {good} (vitgraph)" in caplog.text
+    sd["patch_embed.weight"] = sd["patch_embed.weight"][:, :, :2, :2].contiguous()
+    bad = tmp_path / "bad.safetensors"
+    save_file(sd, str(bad))
+    with pytest.raises(ConvertError, match=re.escape(str(bad))):
+        init_caption(model, str(bad), "vitgraph", "byte")
+
+
 def test_the_tower_trains_at_its_lr_scale(dist1):
     """lm.tower_lr_scale: the tower's param groups anneal between optim.lr / min_lr x the
     scale, the projector's and the language model's at optim.lr; AdamW's first step moves the
@@ -372,3 +396,4 @@ def test_training_from_image_text_shards_with_a_transformers_tokenizer(tmp_path,
     log = (run / "train.log").read_text()
     vocab = make_tokenizer(f"hf:{tok}", 0, 8).vocab_size
     assert f"{vocab} hf:{tok} ids" in log
+

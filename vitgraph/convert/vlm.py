@@ -107,7 +107,7 @@ def init_caption(model, source: str, fmt: str, tokenizer: str) -> None:
     raw = load_file(source)
     if not is_whole(raw):
         if model.visual is not None:  # pipeline stages after the first hold no tower
-            init_from(model.visual, raw, fmt)
+            init_from(model.visual, raw, fmt, name=source)
         return
     if fmt not in ("auto", "vitgraph"):
         raise ConvertError(f"{source}: holds a whole caption model (vitgraph names); "

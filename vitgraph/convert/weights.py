@@ -285,14 +285,15 @@ def _check_size(sd: dict, target, path) -> None:
                        f"set {keys} to the file's size")
 
 
-def init_from(model, source, fmt: str = "auto") -> dict:
-    """``model.init_from``: read ``source`` (a weights file, or a state dict already read),
-    convert from ``fmt`` (auto-detected), load. Into an image tower without a classifier head
+def init_from(model, source, fmt: str = "auto", name: str | None = None) -> dict:
+    """``model.init_from``: read ``source`` (a weights file, or a state dict already read,
+    ``name``: the file it was read from, for the log and the errors), convert from ``fmt``
+    (auto-detected), load. Into an image tower without a classifier head
     (a caption model's ``visual``, vitgraph.tower.VisionTower) the weights of a pair or a
     caption model give their ``visual.*`` tensors, and a classifier head, attention pooling or
     projection that the tower has no place for is left out; both are logged."""
     target = unwrap(model)
-    path = "the state dict" if isinstance(source, dict) else str(source)
+    path = name or ("the state dict" if isinstance(source, dict) else str(source))
     raw = dict(source) if isinstance(source, dict) else load_file(source)
     if fmt == "auto":
         fmt = detect_format(raw)
