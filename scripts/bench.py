@@ -82,8 +82,8 @@ Rows report ``images_per_s``, ``real_tokens_per_s`` (patch tokens of real images
 
 The tower inside a VLM (``--vlm``): the native stream through vitgraph's captioning VLM
 (task.kind=caption: the tower -> megatron-core's MLP projector -> a GPT decoder of
---lm-layers x --lm-width x --lm-heads, default 24 x 1280 x 20, 0.54B with CLIP BPE's
-embedding: configs/vlm-so400m16-native.yaml's), each image with a synthetic caption of
+--lm-layers x --lm-width x --lm-heads, default 24 x 1280 x 20, 0.60B with CLIP BPE's
+embedding and output layer: configs/vlm-so400m16-native.yaml's), each image with a synthetic caption of
 --min-text to --text-length ids (BOS to EOS, seeded; only the lengths matter to the time):
 
     python scripts/bench.py --vlm --max-patches 256 576 1024 --timm-batch 32 \
