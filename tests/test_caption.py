@@ -396,4 +396,3 @@ def test_training_from_image_text_shards_with_a_transformers_tokenizer(tmp_path,
     log = (run / "train.log").read_text()
     vocab = make_tokenizer(f"hf:{tok}", 0, 8).vocab_size
     assert f"{vocab} hf:{tok} ids" in log
-

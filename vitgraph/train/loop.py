@@ -212,14 +212,11 @@ class Trainer:
         log.info("graphs: %s", plan.graphs)
         if plan.pack_layout is not None:
             log.info("packing: %s", plan.pack_layout)
-        # a native run's batch counts packs (a microbatch is one), not images
-        k, unit = plan.pack, ""
-        if k is not None:
-            unit = f" ({plural(t.global_batch_size, 'pack')} of " + (
-                f"{plural(k.max_images, 'slot')} of {k.max_len} tokens)" if k.padded else
-                f"{k.tokens} tokens)")
-        log.info("schedule: %d steps (%d per epoch), global batch %d%s = %s x %d x dp %d",
-                 self.total_steps, self.loader.steps_per_epoch, t.global_batch_size, unit,
+        # a native run's batch counts packs (the model line says what a pack holds), not images
+        batch = (plural(t.global_batch_size, "pack") if plan.pack is not None
+                 else str(t.global_batch_size))
+        log.info("schedule: %d steps (%d per epoch), global batch %s = %s x %d x dp %d",
+                 self.total_steps, self.loader.steps_per_epoch, batch,
                  plural(self.num_microbatches, "microbatch"), t.micro_batch_size, d.dp)
         if d.cuda:
             _wire_ddp(self.model.config, self.wrapped, self.optimizer, plan.parallel)
